@@ -1,0 +1,129 @@
+// Allocator: the facade the bindings see, one per device. It owns the backings, the host buffer
+// pool, the copy engine and every segment it handed out, and keeps the per-tag state.
+//
+// The algorithm, in short:
+//  - malloc(size, region) picks the backing for the region's mode (vmm: reserved address range
+//    plus physical chunks; device: cuMemAlloc), registers the segment under the region's tag and
+//    returns its address. PyTorch (torch hook mode) caches and splits segments itself, so there
+//    is no block cache here: a segment freed by PyTorch goes back to the device at once.
+//  - pause(tag) synchronizes the device, copies the tag's segments that asked for a CPU backup to
+//    pooled host buffers, and unmaps and releases their physical memory; addresses stay reserved.
+//    resume(tag) maps fresh memory at the same addresses and copies the backups back.
+//  - Statistics are derived: every change to a segment is bracketed by two footprints whose
+//    difference is applied to the "all", mode and tag scopes.
+//
+// Locking: one mutex, never recursive, held for the whole of each public call (a pause holds it
+// while its copies run, so a malloc on another thread waits for the pause). Private *_locked
+// helpers assume it is held. Nothing here calls Python.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "allocator/backing/device_backing.h"
+#include "allocator/backing/vmm_backing.h"
+#include "allocator/driver/driver.h"
+#include "allocator/region_config.h"
+#include "allocator/residency/copy_engine.h"
+#include "allocator/residency/host_buffer_pool.h"
+#include "allocator/residency/pause_controller.h"
+#include "allocator/segment.h"
+#include "allocator/stats/stats.h"
+
+namespace tus {
+
+struct AllocatorOptions {
+  // Largest physical handle of a VMM segment: pause and resume work chunk by chunk, so smaller
+  // chunks overlap unmapping with copying sooner; larger ones mean fewer driver calls.
+  std::size_t chunk_bytes = 256 * kMiB;
+};
+
+// Where a device address's backup lies on the host, and how many bytes of it follow.
+struct BackupView {
+  std::uintptr_t host_address = 0;
+  std::size_t bytes = 0;
+};
+
+struct SegmentInfo {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;
+  std::size_t resident = 0;
+  std::string tag;
+  Mode mode = Mode::kVmm;
+  bool cpu_backup = false;
+  bool has_backup = false;
+};
+
+class Allocator {
+ public:
+  Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOptions options = {});
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  int device() const { return device_; }
+  const std::shared_ptr<Driver>& driver() const { return driver_; }
+
+  // Throws OutOfMemory (with the device's free and used bytes in the message) or CudaError.
+  DevicePtr malloc(std::size_t size, StreamHandle stream, const RegionConfig& region);
+  // Never throws: a driver error is logged once and counted in num_free_failures. Freeing a
+  // paused segment releases its address range and backup; its physical memory is already gone.
+  void free(DevicePtr ptr) noexcept;
+
+  // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
+  void enter_region(const RegionConfig& region);
+  void exit_region(const std::string& tag);
+
+  // Both are idempotent per tag; no tag means every tag. They return the device bytes released
+  // or mapped. Unknown tags raise InvalidArgument; a tag with an open region raises InvalidState.
+  std::size_t pause(const std::optional<std::string>& tag);
+  std::size_t resume(const std::optional<std::string>& tag);
+  void set_backup_policy(const std::string& tag, const BackupPolicy& policy);
+  BackupPolicy backup_policy(const std::string& tag) const;
+
+  std::optional<BackupView> backup_of(DevicePtr ptr) const;
+  bool knows_tag(const std::string& tag) const;
+  bool is_paused(const std::string& tag) const;
+  std::vector<std::string> tags() const;
+  std::vector<SegmentInfo> segments() const;
+  StatsDict stats() const;
+  void reset_peak();
+  std::size_t release_host_cache();
+  MemInfo mem_get_info();
+
+ private:
+  struct TagState {
+    int open_regions = 0;
+    bool paused = false;
+    BackupPolicy policy;
+  };
+
+  Backing& backing_for(Mode mode);
+  static Footprint footprint(const Segment& segment);
+  TagState& known_tag_locked(const char* call, const std::string& tag);
+  std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
+  void check_pausable_locked(const char* call, const std::string& tag);
+  std::size_t pause_tag_locked(const std::string& tag);
+  std::size_t resume_tag_locked(const std::string& tag);
+  std::string memory_report_locked();
+
+  mutable std::mutex mutex_;
+  std::shared_ptr<Driver> driver_;
+  const int device_;
+  VmmBacking vmm_;
+  DeviceBacking device_backing_;
+  HostBufferPool host_buffers_;
+  CopyEngine copies_;
+  PauseController pauser_;
+  std::map<DevicePtr, std::unique_ptr<Segment>> segments_;  // by base address
+  std::map<std::string, TagState> tags_;
+  StatsBook stats_;
+};
+
+}  // namespace tus

@@ -1,0 +1,97 @@
+#include "allocator/backing/vmm_backing.h"
+
+#include <algorithm>
+#include <exception>
+
+namespace tus {
+
+VmmBacking::VmmBacking(Driver& driver, int device, std::size_t chunk_bytes)
+    : driver_(driver),
+      device_(device),
+      requested_chunk_bytes_(chunk_bytes),
+      address_ranges_(driver, device) {}
+
+std::size_t VmmBacking::granularity() {
+  if (granularity_ == 0) granularity_ = driver_.granularity(device_);
+  return granularity_;
+}
+
+std::size_t VmmBacking::rounded_size(std::size_t requested) {
+  return round_up(requested == 0 ? 1 : requested, granularity());
+}
+
+void VmmBacking::allocate(Segment& segment) {
+  const std::size_t chunk_bytes = round_up(std::max<std::size_t>(requested_chunk_bytes_, 1),
+                                           granularity());
+  segment.ptr = address_ranges_.take(segment.size);
+  segment.chunks.clear();
+  for (std::size_t offset = 0; offset < segment.size; offset += chunk_bytes) {
+    segment.chunks.push_back(Chunk{offset, std::min(chunk_bytes, segment.size - offset)});
+  }
+  try {
+    for (Chunk& chunk : segment.chunks) restore_chunk(segment, chunk);
+  } catch (...) {
+    try {
+      deallocate(segment);
+    } catch (...) {
+      // The allocation error is the one the caller needs to see.
+    }
+    throw;
+  }
+}
+
+void VmmBacking::deallocate(Segment& segment) {
+  std::exception_ptr first_error;
+  for (Chunk& chunk : segment.chunks) {
+    try {
+      release_chunk(segment, chunk);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
+  if (segment.ptr != 0 && !first_error) {
+    try {
+      address_ranges_.give_back(segment.ptr, segment.size);
+      segment.ptr = 0;
+    } catch (...) {
+      first_error = std::current_exception();
+    }
+  }
+  // A range that still has a mapping (a failed unmap above) is not reused or freed: leaking the
+  // address space is better than handing out a range that is still mapped.
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+void VmmBacking::release_chunk(Segment& segment, Chunk& chunk) {
+  if (chunk.mapped) {
+    driver_.unmap(device_, segment.ptr + chunk.offset, chunk.size);
+    chunk.mapped = false;
+  }
+  if (chunk.handle != 0) {
+    const PhysHandle handle = chunk.handle;
+    // Forget the handle before releasing it: if the release fails, retrying it later could
+    // release a handle number the driver has since given to someone else.
+    chunk.handle = 0;
+    driver_.release_physical(device_, handle);
+  }
+}
+
+void VmmBacking::restore_chunk(Segment& segment, Chunk& chunk) {
+  if (chunk.mapped) return;
+  if (chunk.handle == 0) chunk.handle = driver_.create_physical(device_, chunk.size);
+  const DevicePtr address = segment.ptr + chunk.offset;
+  try {
+    driver_.map(device_, address, chunk.size, chunk.handle);
+    chunk.mapped = true;
+    driver_.set_access(device_, address, chunk.size);
+  } catch (...) {
+    try {
+      release_chunk(segment, chunk);
+    } catch (...) {
+      // Reported by the original error below; the chunk's state says what is still held.
+    }
+    throw;
+  }
+}
+
+}  // namespace tus

@@ -1,0 +1,67 @@
+// CudaDriver: the Driver contract on the real CUDA driver API. libcuda.so.1 is opened with dlopen
+// on first use and every entry point is resolved with cuGetProcAddress, so the build never links
+// libcuda and `import torch_uvm_saver` works on machines without a GPU (calls then throw a
+// CudaError that says so).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "allocator/driver/driver.h"
+
+namespace tus {
+
+struct CudaApi;  // the resolved entry points, defined in cuda_driver.cpp
+
+class CudaDriver final : public Driver {
+ public:
+  CudaDriver();
+  ~CudaDriver() override;
+
+  std::string name() const override { return "cuda"; }
+  int device_count() override;
+  MemInfo mem_get_info(int device) override;
+  std::size_t granularity(int device) override;
+
+  DevicePtr reserve_address(int device, std::size_t size) override;
+  void free_address(int device, DevicePtr ptr, std::size_t size) override;
+  PhysHandle create_physical(int device, std::size_t size) override;
+  void release_physical(int device, PhysHandle handle) override;
+  void map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) override;
+  void unmap(int device, DevicePtr ptr, std::size_t size) override;
+  void set_access(int device, DevicePtr ptr, std::size_t size) override;
+
+  DevicePtr mem_alloc(int device, std::size_t size) override;
+  void mem_free(int device, DevicePtr ptr) override;
+  void* host_alloc_pinned(int device, std::size_t size) override;
+  void host_free_pinned(int device, void* ptr) override;
+
+  StreamHandle stream_create(int device) override;
+  void stream_destroy(int device, StreamHandle stream) override;
+  void stream_synchronize(int device, StreamHandle stream) override;
+  EventHandle event_create(int device) override;
+  void event_destroy(int device, EventHandle event) override;
+  void event_record(int device, EventHandle event, StreamHandle stream) override;
+  void event_synchronize(int device, EventHandle event) override;
+  void device_synchronize(int device) override;
+  void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
+                           StreamHandle stream) override;
+  void copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
+                           StreamHandle stream) override;
+
+ private:
+  class ContextGuard;
+  const CudaApi& api();  // loads libcuda on first use; throws CudaError when it cannot
+  void* primary_context(int device);
+
+  std::once_flag load_once_;
+  std::unique_ptr<CudaApi> api_;
+  std::string load_error_;
+  std::mutex context_mutex_;
+  static constexpr int kMaxDevices = 64;
+  void* primary_contexts_[kMaxDevices] = {};
+  std::size_t granularity_[kMaxDevices] = {};
+};
+
+}  // namespace tus

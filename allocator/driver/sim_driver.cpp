@@ -1,0 +1,393 @@
+#include "allocator/driver/sim_driver.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "allocator/errors.h"
+
+namespace tus {
+
+namespace {
+
+constexpr int kInvalidValue = 1;  // CUDA_ERROR_INVALID_VALUE
+
+[[noreturn]] void fail(const char* call, int code, const std::string& why) {
+  std::ostringstream message;
+  message << "sim " << call << " failed: " << why << " (error " << code << ")";
+  if (code == SimDriver::kOutOfMemoryCode) throw OutOfMemory(message.str());
+  throw CudaError(message.str(), code);
+}
+
+std::string system_error(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
+
+}  // namespace
+
+SimDriver::SimDriver(std::size_t capacity_bytes, int device_count, std::size_t granularity)
+    : capacity_(capacity_bytes),
+      device_count_(device_count),
+      granularity_(granularity),
+      used_(static_cast<std::size_t>(device_count), 0) {
+  if (device_count < 1) TUS_THROW(InvalidArgument, "SimDriver needs at least one device");
+  if (granularity == 0 || granularity % static_cast<std::size_t>(getpagesize()) != 0) {
+    TUS_THROW(InvalidArgument, "SimDriver granularity " << granularity
+                                                        << " must be a multiple of the page size");
+  }
+}
+
+SimDriver::~SimDriver() {
+  // Whatever the allocator left behind goes back to the host.
+  for (auto& [ptr, size] : reservations_) munmap(reinterpret_cast<void*>(ptr), size);
+  for (auto& [handle, physical] : physicals_) close(physical.fd);
+  for (auto& [ptr, entry] : plain_allocations_) munmap(reinterpret_cast<void*>(ptr), entry.second);
+  for (auto& [ptr, size] : pinned_) munmap(ptr, size);
+}
+
+void SimDriver::fail_on(const std::string& call, int nth, int error_code) {
+  if (nth < 1) TUS_THROW(InvalidArgument, "fail_on: nth must be >= 1, got " << nth);
+  std::lock_guard<std::mutex> lock(mutex_);
+  faults_.push_back(Fault{call, nth - 1, error_code});
+}
+
+void SimDriver::clear_faults() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  faults_.clear();
+}
+
+std::map<std::string, long> SimDriver::call_counts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return calls_;
+}
+
+void SimDriver::reset_call_counts() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  calls_.clear();
+}
+
+std::size_t SimDriver::used_bytes(int device) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_device_locked(device);
+  return used_[static_cast<std::size_t>(device)];
+}
+
+std::size_t SimDriver::mapped_ranges() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mappings_.size();
+}
+
+std::size_t SimDriver::pinned_host_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t total = 0;
+  for (const auto& [ptr, size] : pinned_) total += size;
+  return total;
+}
+
+void SimDriver::check_device_locked(int device) const {
+  if (device < 0 || device >= device_count_) {
+    std::ostringstream why;
+    why << "device " << device << " does not exist (the simulated machine has " << device_count_
+        << ")";
+    throw InvalidArgument(why.str());
+  }
+}
+
+void SimDriver::enter_locked(const char* call, int device) {
+  ++calls_[call];
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (it->call != call && it->call != "*") continue;
+    if (it->remaining > 0) {
+      --it->remaining;
+      continue;
+    }
+    const int code = it->error_code;
+    faults_.erase(it);
+    fail(call, code, "injected fault");
+  }
+  if (device >= 0) check_device_locked(device);
+}
+
+void SimDriver::charge_locked(int device, std::size_t size, const char* call) {
+  std::size_t& used = used_[static_cast<std::size_t>(device)];
+  if (size > capacity_ - used) {
+    std::ostringstream why;
+    why << "out of memory asking for " << size << " bytes with " << (capacity_ - used)
+        << " of " << capacity_ << " free on device " << device;
+    fail(call, kOutOfMemoryCode, why.str());
+  }
+  used += size;
+}
+
+int SimDriver::device_count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("device_count", -1);
+  return device_count_;
+}
+
+MemInfo SimDriver::mem_get_info(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_get_info", device);
+  return MemInfo{capacity_ - used_[static_cast<std::size_t>(device)], capacity_};
+}
+
+std::size_t SimDriver::granularity(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("granularity", device);
+  return granularity_;
+}
+
+DevicePtr SimDriver::reserve_address(int device, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("reserve_address", device);
+  if (size == 0 || size % granularity_ != 0) {
+    fail("reserve_address", kInvalidValue, "size " + std::to_string(size) + " is not a multiple "
+                                               "of the granularity");
+  }
+  // Over-reserve and trim so the range is aligned to the granularity, as CUDA's are.
+  const std::size_t padded = size + granularity_;
+  void* raw = mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) fail("reserve_address", kOutOfMemoryCode, system_error("mmap"));
+  const auto start = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t aligned = round_up(start, granularity_);
+  if (aligned > start) munmap(raw, aligned - start);
+  const std::uintptr_t tail = start + padded - (aligned + size);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
+  reservations_[aligned] = size;
+  return aligned;
+}
+
+std::map<DevicePtr, std::size_t>::const_iterator SimDriver::reservation_containing_locked(
+    DevicePtr ptr, std::size_t size) const {
+  auto it = reservations_.upper_bound(ptr);
+  if (it == reservations_.begin()) return reservations_.end();
+  --it;
+  if (ptr + size > it->first + it->second) return reservations_.end();
+  return it;
+}
+
+void SimDriver::free_address(int device, DevicePtr ptr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("free_address", device);
+  auto it = reservations_.find(ptr);
+  if (it == reservations_.end() || it->second != size) {
+    fail("free_address", kInvalidValue, "not a reservation of that size");
+  }
+  auto mapped = mappings_.lower_bound(ptr);
+  if (mapped != mappings_.end() && mapped->first < ptr + size) {
+    fail("free_address", kInvalidValue, "the range still has mappings");
+  }
+  munmap(reinterpret_cast<void*>(ptr), size);
+  reservations_.erase(it);
+}
+
+PhysHandle SimDriver::create_physical(int device, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("create_physical", device);
+  if (size == 0 || size % granularity_ != 0) {
+    fail("create_physical", kInvalidValue, "size is not a multiple of the granularity");
+  }
+  charge_locked(device, size, "create_physical");
+  const int fd = memfd_create("tus-sim-physical", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const std::string why = system_error("memfd_create/ftruncate");
+    if (fd >= 0) close(fd);
+    used_[static_cast<std::size_t>(device)] -= size;
+    fail("create_physical", kOutOfMemoryCode, why);
+  }
+  const PhysHandle handle = next_handle_++;
+  physicals_[handle] = Physical{device, fd, size};
+  return handle;
+}
+
+void SimDriver::drop_physical_if_unused_locked(PhysHandle handle) {
+  auto it = physicals_.find(handle);
+  if (it == physicals_.end() || !it->second.released || it->second.map_count > 0) return;
+  close(it->second.fd);
+  used_[static_cast<std::size_t>(it->second.device)] -= it->second.size;
+  physicals_.erase(it);
+}
+
+void SimDriver::release_physical(int device, PhysHandle handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("release_physical", device);
+  auto it = physicals_.find(handle);
+  if (it == physicals_.end() || it->second.released) {
+    fail("release_physical", kInvalidValue, "unknown or already released handle");
+  }
+  it->second.released = true;
+  drop_physical_if_unused_locked(handle);
+}
+
+void SimDriver::map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("map", device);
+  auto physical = physicals_.find(handle);
+  if (physical == physicals_.end() || physical->second.released || physical->second.size != size) {
+    fail("map", kInvalidValue, "unknown handle or size mismatch");
+  }
+  if (reservation_containing_locked(ptr, size) == reservations_.end()) {
+    fail("map", kInvalidValue, "range is not inside one reservation");
+  }
+  auto next = mappings_.lower_bound(ptr);
+  const bool overlaps_next = next != mappings_.end() && next->first < ptr + size;
+  bool overlaps_previous = false;
+  if (next != mappings_.begin()) {
+    auto previous = std::prev(next);
+    overlaps_previous = previous->first + previous->second.size > ptr;
+  }
+  if (overlaps_next || overlaps_previous) fail("map", kInvalidValue, "range is already mapped");
+  void* placed = mmap(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_FIXED, physical->second.fd, 0);
+  if (placed == MAP_FAILED) fail("map", kOutOfMemoryCode, system_error("mmap"));
+  mappings_[ptr] = Mapping{size, handle};
+  ++physical->second.map_count;
+}
+
+void SimDriver::unmap(int device, DevicePtr ptr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("unmap", device);
+  auto it = mappings_.find(ptr);
+  if (it == mappings_.end() || it->second.size != size) {
+    fail("unmap", kInvalidValue, "range does not match one mapping");
+  }
+  // Back to an inaccessible reservation: touching it now faults, as on a GPU.
+  void* placed = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (placed == MAP_FAILED) fail("unmap", kInvalidValue, system_error("mmap"));
+  const PhysHandle handle = it->second.handle;
+  mappings_.erase(it);
+  --physicals_[handle].map_count;
+  drop_physical_if_unused_locked(handle);
+}
+
+void SimDriver::set_access(int device, DevicePtr ptr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("set_access", device);
+  auto it = mappings_.find(ptr);
+  if (it == mappings_.end() || it->second.size != size) {
+    fail("set_access", kInvalidValue, "range does not match one mapping");
+  }
+}
+
+DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_alloc", device);
+  const std::size_t rounded = round_up(size == 0 ? 1 : size, static_cast<std::size_t>(getpagesize()));
+  charge_locked(device, rounded, "mem_alloc");
+  void* ptr = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (ptr == MAP_FAILED) {
+    used_[static_cast<std::size_t>(device)] -= rounded;
+    fail("mem_alloc", kOutOfMemoryCode, system_error("mmap"));
+  }
+  plain_allocations_[reinterpret_cast<DevicePtr>(ptr)] = {device, rounded};
+  return reinterpret_cast<DevicePtr>(ptr);
+}
+
+void SimDriver::mem_free(int device, DevicePtr ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_free", device);
+  auto it = plain_allocations_.find(ptr);
+  if (it == plain_allocations_.end()) fail("mem_free", kInvalidValue, "not an allocation");
+  munmap(reinterpret_cast<void*>(ptr), it->second.second);
+  used_[static_cast<std::size_t>(it->second.first)] -= it->second.second;
+  plain_allocations_.erase(it);
+}
+
+void* SimDriver::host_alloc_pinned(int device, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("host_alloc_pinned", device);
+  void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (ptr == MAP_FAILED) fail("host_alloc_pinned", kOutOfMemoryCode, system_error("mmap"));
+  pinned_[ptr] = size;
+  return ptr;
+}
+
+void SimDriver::host_free_pinned(int device, void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("host_free_pinned", device);
+  auto it = pinned_.find(ptr);
+  if (it == pinned_.end()) fail("host_free_pinned", kInvalidValue, "not a pinned allocation");
+  munmap(ptr, it->second);
+  pinned_.erase(it);
+}
+
+StreamHandle SimDriver::stream_create(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("stream_create", device);
+  return reinterpret_cast<StreamHandle>(next_object_++);
+}
+
+void SimDriver::stream_destroy(int device, StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("stream_destroy", device);
+}
+
+void SimDriver::stream_synchronize(int device, StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("stream_synchronize", device);
+}
+
+EventHandle SimDriver::event_create(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_create", device);
+  return reinterpret_cast<EventHandle>(next_object_++);
+}
+
+void SimDriver::event_destroy(int device, EventHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_destroy", device);
+}
+
+void SimDriver::event_record(int device, EventHandle, StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_record", device);
+}
+
+void SimDriver::event_synchronize(int device, EventHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_synchronize", device);
+}
+
+void SimDriver::device_synchronize(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("device_synchronize", device);
+}
+
+namespace {
+
+// True when [ptr, ptr + size) lies inside one entry of `ranges` (start -> size-like value).
+template <typename Map, typename SizeOf>
+bool inside_one(const Map& ranges, DevicePtr ptr, std::size_t size, SizeOf size_of) {
+  auto it = ranges.upper_bound(ptr);
+  if (it == ranges.begin()) return false;
+  --it;
+  return ptr + size <= it->first + size_of(it->second);
+}
+
+}  // namespace
+
+void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
+                                    StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("copy_device_to_host", device);
+  const bool valid =
+      inside_one(mappings_, src, size, [](const Mapping& m) { return m.size; }) ||
+      inside_one(plain_allocations_, src, size, [](const auto& entry) { return entry.second; });
+  if (!valid) fail("copy_device_to_host", kInvalidValue, "source is not mapped device memory");
+  std::memcpy(dst, reinterpret_cast<const void*>(src), size);
+}
+
+void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
+                                    StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("copy_host_to_device", device);
+  const bool valid =
+      inside_one(mappings_, dst, size, [](const Mapping& m) { return m.size; }) ||
+      inside_one(plain_allocations_, dst, size, [](const auto& entry) { return entry.second; });
+  if (!valid) fail("copy_host_to_device", kInvalidValue, "destination is not mapped device memory");
+  std::memcpy(reinterpret_cast<void*>(dst), src, size);
+}
+
+}  // namespace tus

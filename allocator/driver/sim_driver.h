@@ -1,0 +1,124 @@
+// SimDriver: the Driver contract on host memory, so that CI and machines without a GPU run the
+// same allocator code paths as a GPU does.
+//
+// Note [Simulated VMM]
+//  - Each simulated device has a capacity; physical handles and plain allocations count against
+//    it and fail with out-of-memory past it, like cuMemCreate/cuMemAlloc.
+//  - A reservation is an mmap(PROT_NONE) range: touching it faults, as touching an unmapped
+//    device address does on a GPU.
+//  - A physical handle is a memfd; mapping it is mmap(MAP_SHARED | MAP_FIXED) of that memfd inside
+//    the reservation, unmapping puts PROT_NONE back. Releasing a handle that is no longer mapped
+//    closes the memfd, which gives the memory back to the host for real.
+//  - Mapping rules are checked more strictly than CUDA does (a map must lie inside one
+//    reservation and not overlap another mapping; an unmap must match one mapping exactly), so a
+//    bookkeeping bug in the allocator fails loudly here.
+//  - Streams are synchronous: a copy has finished when its call returns.
+//  - Fault injection: fail_on("unmap", 3) makes the 3rd unmap from now throw, as a driver error
+//    would. "*" counts calls of every function.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "allocator/driver/driver.h"
+
+namespace tus {
+
+class SimDriver final : public Driver {
+ public:
+  static constexpr int kDefaultErrorCode = 999;  // CUDA_ERROR_UNKNOWN
+  static constexpr int kOutOfMemoryCode = 2;     // CUDA_ERROR_OUT_OF_MEMORY
+
+  explicit SimDriver(std::size_t capacity_bytes, int device_count = 1,
+                     std::size_t granularity = 2 * kMiB);
+  ~SimDriver() override;
+
+  // Makes the `nth` (1-based) call of `call` from now on fail with `error_code`; `call` is a
+  // method name of Driver or "*" for any. An error code of 2 raises OutOfMemory.
+  void fail_on(const std::string& call, int nth, int error_code = kDefaultErrorCode);
+  void clear_faults();
+  // Calls made per method name since construction (or reset_call_counts).
+  std::map<std::string, long> call_counts() const;
+  void reset_call_counts();
+  std::size_t used_bytes(int device) const;
+  std::size_t capacity_bytes() const { return capacity_; }
+  std::size_t mapped_ranges() const;
+  std::size_t pinned_host_bytes() const;
+
+  std::string name() const override { return "sim"; }
+  int device_count() override;
+  MemInfo mem_get_info(int device) override;
+  std::size_t granularity(int device) override;
+
+  DevicePtr reserve_address(int device, std::size_t size) override;
+  void free_address(int device, DevicePtr ptr, std::size_t size) override;
+  PhysHandle create_physical(int device, std::size_t size) override;
+  void release_physical(int device, PhysHandle handle) override;
+  void map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) override;
+  void unmap(int device, DevicePtr ptr, std::size_t size) override;
+  void set_access(int device, DevicePtr ptr, std::size_t size) override;
+
+  DevicePtr mem_alloc(int device, std::size_t size) override;
+  void mem_free(int device, DevicePtr ptr) override;
+  void* host_alloc_pinned(int device, std::size_t size) override;
+  void host_free_pinned(int device, void* ptr) override;
+
+  StreamHandle stream_create(int device) override;
+  void stream_destroy(int device, StreamHandle stream) override;
+  void stream_synchronize(int device, StreamHandle stream) override;
+  EventHandle event_create(int device) override;
+  void event_destroy(int device, EventHandle event) override;
+  void event_record(int device, EventHandle event, StreamHandle stream) override;
+  void event_synchronize(int device, EventHandle event) override;
+  void device_synchronize(int device) override;
+  void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
+                           StreamHandle stream) override;
+  void copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
+                           StreamHandle stream) override;
+
+ private:
+  struct Physical {
+    int device;
+    int fd;
+    std::size_t size;
+    int map_count = 0;
+    bool released = false;
+  };
+  struct Mapping {
+    std::size_t size;
+    PhysHandle handle;
+  };
+  struct Fault {
+    std::string call;
+    long remaining;  // calls of `call` still to pass before the failing one
+    int error_code;
+  };
+
+  // Counts the call, fires a pending fault, validates `device`. Caller holds mutex_.
+  void enter_locked(const char* call, int device);
+  void check_device_locked(int device) const;
+  void charge_locked(int device, std::size_t size, const char* call);
+  void drop_physical_if_unused_locked(PhysHandle handle);
+  std::map<DevicePtr, std::size_t>::const_iterator reservation_containing_locked(
+      DevicePtr ptr, std::size_t size) const;
+
+  mutable std::mutex mutex_;
+  const std::size_t capacity_;
+  const int device_count_;
+  const std::size_t granularity_;
+  std::vector<std::size_t> used_;                 // per device
+  std::map<DevicePtr, std::size_t> reservations_;  // start -> size
+  std::map<DevicePtr, Mapping> mappings_;          // start -> mapping
+  std::map<PhysHandle, Physical> physicals_;
+  std::map<DevicePtr, std::pair<int, std::size_t>> plain_allocations_;  // ptr -> (device, size)
+  std::map<void*, std::size_t> pinned_;
+  PhysHandle next_handle_ = 1;
+  std::uintptr_t next_object_ = 1;
+  std::map<std::string, long> calls_;
+  std::vector<Fault> faults_;
+};
+
+}  // namespace tus

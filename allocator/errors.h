@@ -1,0 +1,86 @@
+// Typed errors of the allocator core. Every failure the library can report is one of these; they
+// become Python exceptions in the bindings. Nothing in the core calls exit() or abort().
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace tus {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Device (or pinned host) memory could not be had. Becomes torch.OutOfMemoryError in Python.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+// A driver call failed. `code` is the CUresult (or the simulated driver's stand-in for it).
+class CudaError : public Error {
+ public:
+  CudaError(const std::string& what, int code) : Error(what), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// The call is valid in general but not in the current state (a tag with an open region, ...).
+class InvalidState : public Error {
+ public:
+  using Error::Error;
+};
+
+// Builds "file:line: message" so every error says where it was raised.
+inline std::string located(const char* file, int line, const std::string& message) {
+  std::string path(file);
+  const auto slash = path.rfind("allocator/");
+  if (slash != std::string::npos) path = path.substr(slash);
+  std::ostringstream out;
+  out << message << " [" << path << ":" << line << "]";
+  return out.str();
+}
+
+}  // namespace tus
+
+// TUS_THROW(InvalidArgument, "pause: unknown tag '" << tag << "'")
+#define TUS_THROW(Type, stream_expr)                                     \
+  do {                                                                   \
+    std::ostringstream tus_throw_message_;                               \
+    tus_throw_message_ << stream_expr;                                   \
+    throw ::tus::Type(::tus::located(__FILE__, __LINE__, tus_throw_message_.str())); \
+  } while (0)
+
+#include <exception>
+
+namespace tus {
+
+// Rethrows `error` as the same type with "<context>: " in front of its message (and `suffix`
+// after it), so a driver error deep in pause/resume says which call and tag it belongs to.
+[[noreturn]] inline void rethrow_with_context(std::exception_ptr error, const std::string& context,
+                                              const std::string& suffix = "") {
+  try {
+    std::rethrow_exception(error);
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(context + ": " + e.what() + suffix);
+  } catch (const CudaError& e) {
+    throw CudaError(context + ": " + e.what() + suffix, e.code());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(context + ": " + e.what() + suffix);
+  } catch (const InvalidState& e) {
+    throw InvalidState(context + ": " + e.what() + suffix);
+  } catch (const std::exception& e) {
+    throw Error(context + ": " + e.what() + suffix);
+  }
+}
+
+}  // namespace tus

@@ -1,0 +1,99 @@
+#include "allocator/registry.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "allocator/driver/cuda_driver.h"
+#include "allocator/driver/sim_driver.h"
+#include "allocator/errors.h"
+
+namespace tus {
+
+namespace {
+
+std::size_t env_size(const char* name, std::size_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  const unsigned long long value = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0') {
+    TUS_THROW(InvalidArgument, name << "=" << text << " is not a whole number");
+  }
+  return static_cast<std::size_t>(value);
+}
+
+std::shared_ptr<Driver> driver_from_environment() {
+  const char* choice = std::getenv("TUS_DRIVER");
+  const std::string name = choice == nullptr ? "cuda" : choice;
+  if (name == "cuda" || name.empty()) return std::make_shared<CudaDriver>();
+  if (name == "sim") {
+    return std::make_shared<SimDriver>(env_size("TUS_SIM_CAPACITY", 16 * kGiB),
+                                       static_cast<int>(env_size("TUS_SIM_DEVICES", 1)));
+  }
+  TUS_THROW(InvalidArgument, "TUS_DRIVER=" << name << " is not a driver; use 'cuda' or 'sim'");
+}
+
+}  // namespace
+
+Registry& Registry::instance() {
+  static Registry* registry = new Registry();  // Note [Teardown]: never destroyed
+  return *registry;
+}
+
+std::shared_ptr<Driver> Registry::driver_locked() {
+  if (!driver_) driver_ = driver_from_environment();
+  return driver_;
+}
+
+std::shared_ptr<Driver> Registry::driver() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return driver_locked();
+}
+
+Allocator& Registry::allocator(int device) {
+  if (device >= 0 && device < kMaxDevices) {
+    Allocator* existing = fast_[device].load(std::memory_order_acquire);
+    if (existing != nullptr) return *existing;
+  }
+  return *shared_allocator(device);
+}
+
+std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
+  if (device < 0 || device >= kMaxDevices) {
+    TUS_THROW(InvalidArgument, "device " << device << " is out of range");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!owned_[device]) {
+    owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
+    fast_[device].store(owned_[device].get(), std::memory_order_release);
+  }
+  return owned_[device];
+}
+
+std::vector<std::shared_ptr<Allocator>> Registry::allocators() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<Allocator>> existing;
+  for (const auto& allocator : owned_) {
+    if (allocator) existing.push_back(allocator);
+  }
+  return existing;
+}
+
+void Registry::install_driver(std::shared_ptr<Driver> driver, AllocatorOptions options) {
+  if (!driver) TUS_THROW(InvalidArgument, "install_driver needs a driver");
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& allocator : owned_) {
+    if (allocator && !allocator->segments().empty()) {
+      TUS_THROW(InvalidState, "cannot change the driver: device " << allocator->device()
+                                                                  << " still holds memory");
+    }
+  }
+  for (int device = 0; device < kMaxDevices; ++device) {
+    fast_[device].store(nullptr, std::memory_order_release);
+    if (owned_[device]) retired_.push_back(std::move(owned_[device]));
+  }
+  driver_ = std::move(driver);
+  options_ = options;
+}
+
+}  // namespace tus

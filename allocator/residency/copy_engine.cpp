@@ -1,0 +1,42 @@
+#include "allocator/residency/copy_engine.h"
+
+#include "allocator/log.h"
+
+namespace tus {
+
+CopyEngine::~CopyEngine() {
+  try {
+    for (EventHandle event : events_) driver_.event_destroy(device_, event);
+    if (has_stream_) driver_.stream_destroy(device_, stream_);
+  } catch (const std::exception& error) {
+    log_once("copy_engine_teardown", error.what());
+  }
+}
+
+StreamHandle CopyEngine::stream() {
+  if (!has_stream_) {
+    stream_ = driver_.stream_create(device_);
+    has_stream_ = true;
+  }
+  return stream_;
+}
+
+void CopyEngine::to_host(void* dst, DevicePtr src, std::size_t size) {
+  driver_.copy_device_to_host(device_, dst, src, size, stream());
+}
+
+void CopyEngine::to_device(DevicePtr dst, const void* src, std::size_t size) {
+  driver_.copy_host_to_device(device_, dst, src, size, stream());
+}
+
+std::size_t CopyEngine::mark() {
+  if (marks_used_ == events_.size()) events_.push_back(driver_.event_create(device_));
+  driver_.event_record(device_, events_[marks_used_], stream());
+  return marks_used_++;
+}
+
+void CopyEngine::wait(std::size_t mark) { driver_.event_synchronize(device_, events_.at(mark)); }
+
+void CopyEngine::synchronize() { driver_.stream_synchronize(device_, stream()); }
+
+}  // namespace tus

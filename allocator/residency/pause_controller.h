@@ -1,0 +1,59 @@
+// PauseController: the pause/resume mechanism for the segments of one tag. It moves bytes and
+// physical memory; which segments, when, and the bookkeeping of tags and stats stay with the
+// Allocator.
+//
+// Note [Pause ordering]
+//  Unmapping memory that a queued kernel still reads gives illegal-address errors later (vLLM
+//  #28714). pause() therefore starts with a device-wide synchronize: every stream of the process,
+//  PyTorch's side streams included, has finished with the memory before any copy or unmap. The
+//  backup copies then run on the CopyEngine's own stream, all queued at once so the link stays
+//  busy, and each chunk is unmapped as soon as the event after its copy completes, overlapping
+//  the unmapping with the copies still in flight.
+//
+// Note [Resume visibility]
+//  resume() maps fresh memory chunk by chunk and queues each chunk's restore copy right after
+//  mapping it, so creating the next handle overlaps the copy of the previous one. It returns only
+//  after the copy stream has drained, so the restored bytes are visible to every stream the client
+//  uses next, with no event for the client to wait on.
+//
+// Note [Failure atomicity]
+//  A failed resume unmaps and releases every chunk it mapped, so the tag is exactly as paused as
+//  before and a later resume can succeed. A failed pause leaves each chunk either still mapped
+//  with its contents, or unmapped with its bytes in the backup (when the segment has one): the
+//  chunk-level state says which, and the next pause or resume carries on from there. No backed-up
+//  byte is lost in either case.
+#pragma once
+
+#include <vector>
+
+#include "allocator/backing/backing.h"
+#include "allocator/driver/driver.h"
+#include "allocator/residency/copy_engine.h"
+#include "allocator/residency/host_buffer_pool.h"
+#include "allocator/segment.h"
+
+namespace tus {
+
+struct BackupPolicy {
+  bool retain = false;  // keep the host copy after resume (readable with get_cpu_backup)
+  bool pinned = true;   // pinned (pooled, full link speed) or pageable (returned after resume)
+};
+
+class PauseController {
+ public:
+  PauseController(Driver& driver, int device, CopyEngine& copies, HostBufferPool& buffers)
+      : driver_(driver), device_(device), copies_(copies), buffers_(buffers) {}
+
+  void pause(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
+  void resume(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
+
+ private:
+  void drop_backup(Segment& segment);
+
+  Driver& driver_;
+  const int device_;
+  CopyEngine& copies_;
+  HostBufferPool& buffers_;
+};
+
+}  // namespace tus

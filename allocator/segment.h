@@ -1,0 +1,52 @@
+// Segment: one allocation handed to the client (for PyTorch's caching allocator, one segment it
+// splits into tensors). Owned by the Allocator's segment table; backings and the residency layer
+// change its physical state, the Allocator derives every statistic from it.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "allocator/residency/host_buffer.h"
+#include "allocator/types.h"
+
+namespace tus {
+
+// A piece of a VMM segment backed by its own physical handle, so that pause and resume can give
+// back and take memory piece by piece while copies of the other pieces are in flight.
+struct Chunk {
+  std::size_t offset = 0;  // from the segment's base address
+  std::size_t size = 0;    // a multiple of the driver's granularity
+  PhysHandle handle = 0;   // 0 while no physical memory is created for the chunk
+  bool mapped = false;     // physical memory is mapped and accessible at ptr + offset
+  bool backed_up = false;  // the segment's host backup holds this chunk's bytes (as of its pause)
+};
+
+struct Segment {
+  DevicePtr ptr = 0;
+  std::size_t requested = 0;  // bytes the client asked for
+  std::size_t size = 0;       // bytes reserved: requested rounded up to the backing's granularity
+  Mode mode = Mode::kVmm;
+  std::string tag;
+  bool cpu_backup = false;    // pause copies the contents to the host and resume restores them
+  std::vector<Chunk> chunks;  // VMM segments only; a `device` segment is always resident
+  HostBuffer backup;          // held while paused with backup, or retained after resume
+
+  bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
+
+  std::size_t resident_bytes() const {
+    if (chunks.empty()) return size;
+    std::size_t bytes = 0;
+    for (const Chunk& chunk : chunks) bytes += chunk.mapped ? chunk.size : 0;
+    return bytes;
+  }
+  bool paused() const { return resident_bytes() < size; }
+  bool has_mapped_chunk() const {
+    for (const Chunk& chunk : chunks) {
+      if (chunk.mapped) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace tus

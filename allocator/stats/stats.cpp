@@ -1,0 +1,58 @@
+#include "allocator/stats/stats.h"
+
+namespace tus {
+
+namespace {
+
+void apply_to(ScopeStats& scope, const Footprint& before, const Footprint& after) {
+  scope.allocated_bytes.change(after.allocated - before.allocated);
+  scope.requested_bytes.change(after.requested - before.requested);
+  scope.reserved_bytes.change(after.reserved - before.reserved);
+  scope.active_bytes.change(after.active - before.active);
+  scope.paused_bytes.change(after.paused - before.paused);
+  scope.cpu_backup_bytes.change(after.cpu_backup - before.cpu_backup);
+  scope.segment.change(after.segments - before.segments);
+}
+
+void reset_scope_peaks(ScopeStats& scope) {
+#define TUS_RESET_PEAK(name, doc) scope.name.reset_peak();
+  TUS_GAUGE_STATS(TUS_RESET_PEAK)
+#undef TUS_RESET_PEAK
+}
+
+void add_scope(StatsDict& out, const std::string& scope_name, const ScopeStats& scope) {
+#define TUS_ADD_GAUGE(name, doc)                                     \
+  out[#name "." + scope_name + ".current"] = scope.name.current;     \
+  out[#name "." + scope_name + ".peak"] = scope.name.peak;           \
+  out[#name "." + scope_name + ".allocated"] = scope.name.allocated; \
+  out[#name "." + scope_name + ".freed"] = scope.name.freed;
+#define TUS_ADD_VALUE(name, doc) out[#name "." + scope_name] = scope.name;
+  TUS_GAUGE_STATS(TUS_ADD_GAUGE)
+  TUS_COUNTER_STATS(TUS_ADD_VALUE)
+  TUS_TIMER_STATS(TUS_ADD_VALUE)
+#undef TUS_ADD_GAUGE
+#undef TUS_ADD_VALUE
+}
+
+}  // namespace
+
+void StatsBook::apply(Mode mode, const std::string& tag, const Footprint& before,
+                      const Footprint& after) {
+  for_scopes(mode, tag, [&](ScopeStats& scope) { apply_to(scope, before, after); });
+}
+
+void StatsBook::reset_peak() {
+  reset_scope_peaks(all_);
+  for (ScopeStats& scope : modes_) reset_scope_peaks(scope);
+  for (auto& [tag, scope] : tags_) reset_scope_peaks(scope);
+}
+
+void StatsBook::add_to(StatsDict& out) const {
+  add_scope(out, "all", all_);
+  for (int mode = 0; mode < kNumModes; ++mode) {
+    add_scope(out, mode_name(static_cast<Mode>(mode)), modes_[mode]);
+  }
+  for (const auto& [tag, scope] : tags_) add_scope(out, "tag:" + tag, scope);
+}
+
+}  // namespace tus

@@ -1,0 +1,80 @@
+// StatsBook: the statistics of one Allocator, per scope ("all", each mode, each tag), flattened
+// to PyTorch-style keys: "<name>.<scope>.<field>" for gauges, "<name>.<scope>" for counters and
+// timers, where scope is "all", a mode name ("vmm", "device") or "tag:<tag>".
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+
+#include "allocator/stats/stat_list.h"
+#include "allocator/types.h"
+
+namespace tus {
+
+struct Gauge {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t freed = 0;
+
+  void change(std::int64_t delta) {
+    current += delta;
+    if (delta > 0) allocated += delta;
+    if (delta < 0) freed -= delta;
+    if (current > peak) peak = current;
+  }
+  void reset_peak() { peak = current; }
+};
+
+struct ScopeStats {
+#define TUS_DECLARE_GAUGE(name, doc) Gauge name;
+#define TUS_DECLARE_COUNTER(name, doc) std::int64_t name = 0;
+#define TUS_DECLARE_TIMER(name, doc) double name = 0.0;
+  TUS_GAUGE_STATS(TUS_DECLARE_GAUGE)
+  TUS_COUNTER_STATS(TUS_DECLARE_COUNTER)
+  TUS_TIMER_STATS(TUS_DECLARE_TIMER)
+#undef TUS_DECLARE_GAUGE
+#undef TUS_DECLARE_COUNTER
+#undef TUS_DECLARE_TIMER
+};
+
+// What one segment contributes to the gauges; the Allocator takes one before and one after each
+// change to a segment and applies the difference, so the stats are derived from segment state.
+struct Footprint {
+  std::int64_t allocated = 0;
+  std::int64_t requested = 0;
+  std::int64_t reserved = 0;
+  std::int64_t active = 0;
+  std::int64_t paused = 0;
+  std::int64_t cpu_backup = 0;
+  std::int64_t segments = 0;
+};
+
+using StatValue = std::variant<std::int64_t, double>;
+using StatsDict = std::map<std::string, StatValue>;
+
+class StatsBook {
+ public:
+  // Applies `after - before` to the gauges of "all", `mode` and `tag`.
+  void apply(Mode mode, const std::string& tag, const Footprint& before, const Footprint& after);
+  // Calls `update(ScopeStats&)` for "all", `mode` and `tag`.
+  template <typename Update>
+  void for_scopes(Mode mode, const std::string& tag, Update update) {
+    update(all_);
+    update(modes_[static_cast<int>(mode)]);
+    update(tags_[tag]);
+  }
+  const ScopeStats& all() const { return all_; }
+  void reset_peak();
+  void add_to(StatsDict& out) const;
+
+ private:
+  ScopeStats all_;
+  std::array<ScopeStats, kNumModes> modes_;
+  std::map<std::string, ScopeStats> tags_;
+};
+
+}  // namespace tus

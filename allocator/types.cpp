@@ -1,0 +1,43 @@
+#include "allocator/types.h"
+
+#include "allocator/errors.h"
+
+#include <cstdio>
+
+namespace tus {
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kVmm:
+      return "vmm";
+    case Mode::kDevice:
+      return "device";
+  }
+  return "?";
+}
+
+std::string format_bytes(std::size_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
+Mode parse_mode(const std::string& name) {
+  if (name == "vmm") return Mode::kVmm;
+  if (name == "device") return Mode::kDevice;
+  if (name == "managed" || name == "lms") {
+    TUS_THROW(InvalidArgument, "mode '" << name
+                                        << "' is not available in this build yet; "
+                                           "the modes are 'vmm' and 'device'");
+  }
+  TUS_THROW(InvalidArgument, "unknown mode '" << name << "'; the modes are 'vmm' and 'device'");
+}
+
+}  // namespace tus

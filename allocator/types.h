@@ -1,0 +1,38 @@
+// Small value types shared by every layer of the core. Driver objects are opaque integers so that
+// nothing above allocator/driver/ needs CUDA's headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tus {
+
+using DevicePtr = std::uintptr_t;   // a device virtual address (CUdeviceptr)
+using PhysHandle = std::uint64_t;   // a physical allocation (CUmemGenericAllocationHandle)
+using StreamHandle = void*;         // CUstream; nullptr is the legacy default stream
+using EventHandle = void*;          // CUevent
+
+constexpr std::size_t kKiB = std::size_t{1} << 10;
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+
+struct MemInfo {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+// How a region's memory is backed. The order is the order of the per-mode stats.
+enum class Mode : int { kVmm = 0, kDevice = 1 };
+constexpr int kNumModes = 2;
+
+const char* mode_name(Mode mode);
+// "1.50 GiB", for messages.
+std::string format_bytes(std::size_t bytes);
+Mode parse_mode(const std::string& name);  // throws InvalidArgument naming the valid modes
+
+inline std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace tus

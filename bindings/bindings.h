@@ -1,0 +1,13 @@
+// Declarations shared by the binding translation units of torch_uvm_saver._C.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace tus::bindings {
+
+void bind_errors(pybind11::module_& module);
+void bind_drivers(pybind11::module_& module);
+void bind_allocator(pybind11::module_& module);
+void bind_registry(pybind11::module_& module);
+
+}  // namespace tus::bindings

@@ -1,0 +1,52 @@
+// Python view of the drivers: the simulated one is built and steered (fault injection, call
+// counts) from tests; both can be installed as the process driver.
+#include <pybind11/stl.h>
+
+#include "allocator/driver/cuda_driver.h"
+#include "allocator/driver/sim_driver.h"
+#include "bindings/bindings.h"
+
+namespace py = pybind11;
+
+namespace tus::bindings {
+
+void bind_drivers(py::module_& module) {
+  py::class_<Driver, std::shared_ptr<Driver>>(module, "Driver",
+                                              "A CUDA driver implementation (real or simulated).")
+      .def_property_readonly("name", &Driver::name)
+      .def("device_count", &Driver::device_count)
+      .def(
+          "mem_get_info",
+          [](Driver& driver, int device) {
+            MemInfo info;
+            {
+              py::gil_scoped_release release;
+              info = driver.mem_get_info(device);
+            }
+            return py::make_tuple(info.free_bytes, info.total_bytes);
+          },
+          py::arg("device") = 0,
+          "(free, total) device memory in bytes.")
+      .def("granularity", &Driver::granularity, py::arg("device") = 0);
+
+  py::class_<CudaDriver, Driver, std::shared_ptr<CudaDriver>>(module, "CudaDriver")
+      .def(py::init<>());
+
+  py::class_<SimDriver, Driver, std::shared_ptr<SimDriver>>(
+      module, "SimDriver",
+      "Simulated driver on host memory: VMM semantics, a capacity, and fault injection.")
+      .def(py::init<std::size_t, int, std::size_t>(), py::arg("capacity"),
+           py::arg("device_count") = 1, py::arg("granularity") = 2 * kMiB)
+      .def("fail_on", &SimDriver::fail_on, py::arg("call"), py::arg("nth") = 1,
+           py::arg("error_code") = SimDriver::kDefaultErrorCode,
+           "Make the nth call of `call` from now fail (error_code 2 = out of memory).")
+      .def("clear_faults", &SimDriver::clear_faults)
+      .def("call_counts", &SimDriver::call_counts)
+      .def("reset_call_counts", &SimDriver::reset_call_counts)
+      .def("used_bytes", &SimDriver::used_bytes, py::arg("device") = 0)
+      .def("mapped_ranges", &SimDriver::mapped_ranges)
+      .def("pinned_host_bytes", &SimDriver::pinned_host_bytes)
+      .def_property_readonly("capacity", &SimDriver::capacity_bytes);
+}
+
+}  // namespace tus::bindings

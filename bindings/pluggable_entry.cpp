@@ -1,0 +1,50 @@
+#include "bindings/pluggable_entry.h"
+
+#include <exception>
+
+#include "allocator/errors.h"
+#include "allocator/log.h"
+#include "allocator/region_config.h"
+#include "allocator/registry.h"
+
+namespace tus::bindings {
+
+namespace {
+
+std::string& thread_last_error() {
+  thread_local std::string message;
+  return message;
+}
+
+}  // namespace
+
+std::string last_malloc_error() { return thread_last_error(); }
+
+}  // namespace tus::bindings
+
+// PyTorch treats nullptr as out of memory: it frees its cached blocks, retries, then raises
+// torch.OutOfMemoryError. The reason is kept for last_malloc_error().
+void* tus_malloc(std::size_t size, int device, void* stream) noexcept {
+  try {
+    tus::bindings::thread_last_error().clear();
+    return reinterpret_cast<void*>(
+        tus::Registry::instance().allocator(device).malloc(size, stream, tus::thread_region()));
+  } catch (const std::exception& error) {
+    tus::bindings::thread_last_error() = error.what();
+    if (dynamic_cast<const tus::OutOfMemory*>(&error) == nullptr) {
+      tus::log_once(std::string("malloc:") + error.what(), error.what());
+    }
+    return nullptr;
+  } catch (...) {
+    tus::bindings::thread_last_error() = "unknown error";
+    return nullptr;
+  }
+}
+
+void tus_free(void* ptr, std::size_t, int device, void*) noexcept {
+  try {
+    tus::Registry::instance().allocator(device).free(reinterpret_cast<tus::DevicePtr>(ptr));
+  } catch (const std::exception& error) {
+    tus::log_once("free_registry", error.what());
+  }
+}

@@ -1,0 +1,58 @@
+"""Access to the native core: the per-device allocators and device-index handling."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from . import _C
+from .errors import InvalidArgumentError
+
+DeviceLike = Union[int, str, torch.device, None]
+
+MODES = ("vmm", "device")
+
+
+def device_index(device: DeviceLike = None) -> int:
+    """The CUDA ordinal meant by ``device``; None is the current device (0 without CUDA)."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        index = device
+    else:
+        parsed = torch.device(device)
+        if parsed.type != "cuda":
+            raise InvalidArgumentError(f"expected a CUDA device, got {device!r}")
+        index = parsed.index if parsed.index is not None else device_index(None)
+    if index < 0:
+        raise InvalidArgumentError(f"device index must be >= 0, got {index}")
+    return index
+
+
+def allocator(device: DeviceLike = None) -> _C.Allocator:
+    """The process allocator of ``device``, created on first use."""
+    return _C.get_allocator(device_index(device))
+
+
+def allocators() -> list[_C.Allocator]:
+    """The process allocators created so far."""
+    return list(_C.allocators())
+
+
+def check_tag(tag: object) -> str:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgumentError(f"a tag must be a non-empty string, got {tag!r}")
+    return tag
+
+
+def check_mode(mode: object) -> str:
+    if mode in ("managed", "lms"):
+        raise InvalidArgumentError(
+            f"mode {mode!r} is not available in this version yet; the modes are {', '.join(MODES)}"
+        )
+    if mode not in MODES:
+        raise InvalidArgumentError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)}")
+    return mode  # type: ignore[return-value]

@@ -1,0 +1,173 @@
+"""Regions: which memory PyTorch allocates through torch_uvm_saver.
+
+Inside ``with region(tag=..., mode=...)`` the calling thread's CUDA allocations on the region's
+device go to a ``torch.cuda.MemPool`` whose allocator is torch_uvm_saver's (one pool per mode,
+tag, backup setting and device). PyTorch keeps caching and splitting inside that pool; everything
+outside regions stays on PyTorch's own allocator, untouched.
+
+Note [Regions route one thread]
+    PyTorch routes a pool's allocations per thread (``use_mem_pool`` documents the same), and the
+    autograd engine runs CUDA backward passes on threads of its own. Gradients and backward
+    temporaries therefore do not land in a region even if ``backward()`` is called inside one.
+    Regions are meant for what a program builds on its own thread: inference weights, KV caches,
+    buffers. To put backward memory in a region too, call
+    ``torch.autograd.set_multithreading_enabled(False)`` around the backward pass, which makes
+    autograd run it on the calling thread.
+
+Note [Nested regions]
+    PyTorch hands an allocation to the first pool whose routing is active, not the innermost, so
+    entering a region (or ``disable()``) ends the enclosing region's routing and leaving it starts
+    it again. Each thread keeps its own stack of regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _C, _native
+from .errors import InvalidStateError
+from .residency import apply_backup_policy
+
+__all__ = ["disable", "region"]
+
+_DEFAULT_CONFIG = ("vmm", "default", False)
+
+_pools: dict[tuple[str, str, bool, int], torch.cuda.MemPool] = {}
+_pools_lock = threading.Lock()
+_pluggable: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
+_thread = threading.local()
+
+
+@dataclass
+class _Frame:
+    pool: Optional[torch.cuda.MemPool]  # None inside disable(): PyTorch's own allocator
+    device: int
+    config: tuple[str, str, bool]  # (mode, tag, cpu_backup) for the native thread region
+
+
+def _stack() -> list[_Frame]:
+    if not hasattr(_thread, "stack"):
+        _thread.stack = []
+    return _thread.stack
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise InvalidStateError(
+            "region() needs a CUDA device and a CUDA build of PyTorch; none is available here. "
+            "(The simulated driver, TUS_DRIVER=sim, serves the native API, not PyTorch tensors.)"
+        )
+
+
+def _warn_if_expandable_segments() -> None:
+    # Expandable segments bypass pluggable allocators; PyTorch >= 2.10 reads both variables.
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in os.environ.get(name, "").replace(" ", "").lower():
+            warnings.warn(
+                f"{name} enables expandable_segments, which can bypass torch_uvm_saver's "
+                "allocator; memory allocated that way will not pause.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+def _pool_for(mode: str, tag: str, cpu_backup: bool, device: int) -> torch.cuda.MemPool:
+    global _pluggable
+    key = (mode, tag, cpu_backup, device)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            if _pluggable is None:
+                _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                    _C.__file__, _C.MALLOC_SYMBOL, _C.FREE_SYMBOL
+                )
+            with torch.cuda.device(device):
+                pool = torch.cuda.MemPool(_pluggable.allocator())
+            _pools[key] = pool
+        return pool
+
+
+def _start_routing(frame: _Frame) -> None:
+    _C.set_thread_region(*frame.config)
+    if frame.pool is not None:
+        torch._C._cuda_beginAllocateCurrentThreadToPool(frame.device, frame.pool.id)
+
+
+def _stop_routing(frame: _Frame) -> None:
+    if frame.pool is not None:
+        torch._C._cuda_endAllocateToPool(frame.device, frame.pool.id)
+        torch._C._cuda_releasePool(frame.device, frame.pool.id)
+    _C.set_thread_region(*_DEFAULT_CONFIG)
+
+
+@contextlib.contextmanager
+def _routed(frame: _Frame) -> Iterator[None]:
+    stack = _stack()
+    if stack:
+        _stop_routing(stack[-1])  # Note [Nested regions]
+    _start_routing(frame)
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+        _stop_routing(frame)
+        if stack:
+            _start_routing(stack[-1])
+
+
+@contextlib.contextmanager
+def region(
+    tag: str = "default",
+    mode: str = "vmm",
+    enable_cpu_backup: bool = False,
+    *,
+    device: _native.DeviceLike = None,
+) -> Iterator[None]:
+    """Allocate the calling thread's CUDA tensors through torch_uvm_saver.
+
+    Args:
+        tag: name that ``pause``/``resume`` and the stats use for this memory.
+        mode: ``"vmm"`` (pausable CUDA virtual memory) or ``"device"`` (plain ``cuMemAlloc``
+            through the same allocator and stats: the baseline).
+        enable_cpu_backup: ``pause`` copies the contents to host memory and ``resume`` restores
+            them; without it the contents after ``resume`` are undefined.
+        device: the CUDA device whose allocations are routed; default the current one.
+
+    Raises:
+        InvalidStateError: the tag is paused (resume it first), or there is no CUDA device.
+        InvalidArgumentError: bad tag or mode.
+
+    Only the calling thread is routed (see Note [Regions route one thread]).
+    """
+    _native.check_tag(tag)
+    _native.check_mode(mode)
+    _require_cuda()
+    _warn_if_expandable_segments()
+    index = _native.device_index(device)
+    allocator = _native.allocator(index)
+    apply_backup_policy(allocator, tag)
+    allocator.enter_region(tag, mode, bool(enable_cpu_backup))
+    try:
+        pool = _pool_for(mode, tag, bool(enable_cpu_backup), index)
+        with _routed(_Frame(pool, index, (mode, tag, bool(enable_cpu_backup)))):
+            yield
+    finally:
+        allocator.exit_region(tag)
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Inside a region, allocate with PyTorch's own allocator (memory that never pauses)."""
+    stack = _stack()
+    device = stack[-1].device if stack else _native.device_index(None)
+    with _routed(_Frame(None, device, _DEFAULT_CONFIG)):
+        yield

@@ -1,0 +1,140 @@
+"""Pause and resume: giving a tag's device memory back and taking it again.
+
+``pause(tag)`` waits for all work queued on the device, copies the tag's memory that asked for a
+CPU backup into pooled pinned host buffers, then unmaps and releases the physical memory. The
+virtual addresses stay reserved, so every tensor keeps its ``data_ptr()``. ``resume(tag)`` maps
+fresh memory at the same addresses and copies the backups back; it returns once the bytes are
+visible to every stream. Both are idempotent per tag.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import torch
+
+from . import _C, _native
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "get_cpu_backup",
+    "is_paused",
+    "pause",
+    "release_host_cache",
+    "resume",
+    "set_backup_policy",
+]
+
+_policies: dict[str, tuple[bool, bool]] = {}  # tag -> (retain, pinned)
+_policies_lock = threading.Lock()
+
+
+def _owners(tag: Optional[str], call: str) -> list[_C.Allocator]:
+    allocators = _native.allocators()
+    if tag is None:
+        return allocators
+    _native.check_tag(tag)
+    owners = [a for a in allocators if a.knows_tag(tag)]
+    if not owners:
+        known = sorted({t for a in allocators for t in a.tags()})
+        raise InvalidArgumentError(
+            f"{call}({tag!r}): unknown tag (known tags: {', '.join(map(repr, known)) or 'none'})"
+        )
+    return owners
+
+
+def pause(tag: Optional[str] = None) -> int:
+    """Release the device memory of ``tag`` (every tag if None) on every device that has it.
+
+    Returns the device bytes released. Pausing a paused tag does nothing and returns 0.
+
+    Raises:
+        InvalidArgumentError: unknown tag, or the tag holds ``mode="device"`` memory.
+        InvalidStateError: a ``region`` of the tag is still open.
+        CudaError: a driver call failed; the message says whether the tag is partly paused.
+            Nothing with a backup is lost; call ``pause`` or ``resume`` again.
+    """
+    return sum(allocator.pause(tag) for allocator in _owners(tag, "pause"))
+
+
+def resume(tag: Optional[str] = None) -> int:
+    """Map device memory again under ``tag`` (every tag if None), restoring backups.
+
+    Returns the device bytes mapped. Resuming a tag that is not paused does nothing.
+
+    Raises:
+        OutOfMemoryError: (a ``torch.OutOfMemoryError``) not enough free device memory. Nothing
+            was resumed and the backups are intact: free memory and call ``resume`` again.
+        InvalidArgumentError: unknown tag.
+    """
+    return sum(allocator.resume(tag) for allocator in _owners(tag, "resume"))
+
+
+def is_paused(tag: str) -> bool:
+    """True when ``tag`` is paused on any device."""
+    return any(allocator.is_paused(tag) for allocator in _owners(tag, "is_paused"))
+
+
+def set_backup_policy(tag: str, *, retain: bool = False, pinned: bool = True) -> None:
+    """How ``tag``'s CPU backups are kept (for memory allocated with ``enable_cpu_backup``).
+
+    Args:
+        retain: keep the host copy after ``resume`` (``get_cpu_backup`` can read it, and the next
+            pause reuses the buffer). By default the buffer goes back to the pool at resume.
+        pinned: back up into pooled pinned memory (full link speed; the pool keeps the memory
+            for the next pause, ``release_host_cache()`` frees it). ``False`` uses pageable
+            memory that goes back to the operating system at resume, at a lower copy speed.
+    """
+    _native.check_tag(tag)
+    with _policies_lock:
+        _policies[tag] = (bool(retain), bool(pinned))
+    for allocator in _native.allocators():
+        apply_backup_policy(allocator, tag)
+
+
+def apply_backup_policy(allocator: _C.Allocator, tag: str) -> None:
+    with _policies_lock:
+        policy = _policies.get(tag)
+    if policy is not None:
+        allocator.set_backup_policy(tag, retain=policy[0], pinned=policy[1])
+
+
+def release_host_cache() -> int:
+    """Free the pooled pinned host buffers that no backup is using; returns the bytes freed."""
+    return sum(allocator.release_host_cache() for allocator in _native.allocators())
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
+def get_cpu_backup(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """A CPU copy of ``tensor``'s contents as held in its backup, or None if it has none.
+
+    A backup exists while the tensor's tag is paused with ``enable_cpu_backup=True``, and after
+    ``resume`` when the tag's policy retains it (``set_backup_policy(tag, retain=True)``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(f"get_cpu_backup expects a tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cuda":
+        raise InvalidArgumentError(f"get_cpu_backup expects a CUDA tensor, got {tensor.device}")
+    owners = [a for a in _native.allocators() if a.device == tensor.device.index]
+    if not owners:
+        return None
+    view = owners[0].backup_of(tensor.data_ptr())
+    if view is None:
+        return None
+    host_address, available = view
+    nbytes = _extent_bytes(tensor)
+    if nbytes == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    if nbytes > available:
+        return None
+    raw = (ctypes.c_uint8 * nbytes).from_address(host_address)
+    flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes).view(tensor.dtype)
+    return torch.as_strided(flat, tensor.shape, tensor.stride()).clone()

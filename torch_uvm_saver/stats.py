@@ -1,0 +1,85 @@
+"""Memory statistics, with PyTorch's key names where the meaning is the same.
+
+Keys are ``<name>.<scope>.<field>`` for gauges (fields ``current``, ``peak``, ``allocated``,
+``freed``) and ``<name>.<scope>`` for counters and timers; the scope is ``all``, a mode (``vmm``,
+``device``) or ``tag:<tag>``. ``allocated_bytes == active_bytes + paused_bytes`` in every scope:
+allocated memory is either resident on the device or paused. ``reserved_bytes`` is the device
+memory held from the driver. Byte counts are rounded to the driver's granularity (2 MiB on NVIDIA
+GPUs). The host pool keys (``host_pool_bytes.current``, ``host_pool_cached_bytes.current``,
+``host_pool_hits``, ``host_pool_misses``) describe the pinned buffers kept for backups.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from . import _native
+
+__all__ = ["format_bytes", "memory_stats", "memory_summary", "reset_peak_memory_stats"]
+
+StatValue = Union[int, float]
+
+
+def memory_stats(device: _native.DeviceLike = None) -> dict[str, StatValue]:
+    """All statistics of ``device`` (default: the current device), sorted by key."""
+    return dict(sorted(_native.allocator(device).stats().items()))
+
+
+def reset_peak_memory_stats(device: _native.DeviceLike = None) -> None:
+    """Set every ``peak`` to its ``current`` value."""
+    _native.allocator(device).reset_peak()
+
+
+def format_bytes(count: float) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+_COLUMNS = (
+    ("allocated", "allocated_bytes", "current"),
+    ("peak", "allocated_bytes", "peak"),
+    ("active", "active_bytes", "current"),
+    ("paused", "paused_bytes", "current"),
+    ("cpu backup", "cpu_backup_bytes", "current"),
+)
+
+
+def memory_summary(device: _native.DeviceLike = None) -> str:
+    """A readable table of ``memory_stats(device)``: one row per scope (all, modes, tags)."""
+    allocator = _native.allocator(device)
+    stats = allocator.stats()
+    scopes = ["all", *_native.MODES]
+    scopes += sorted(key.split(".")[1] for key in stats if key.startswith("segment.tag:")
+                     and key.endswith(".current"))
+    header = f"{'scope':<18}" + "".join(f"{title:>12}" for title, _, _ in _COLUMNS)
+    header += f"{'segments':>10}{'pauses':>8}{'resumes':>8}{'pause s':>9}{'resume s':>9}"
+    lines = [
+        f"torch_uvm_saver memory summary, device {allocator.device} "
+        f"(driver: {allocator.driver.name})",
+        header,
+        "-" * len(header),
+    ]
+    for scope in scopes:
+        row = f"{scope:<18}"
+        row += "".join(
+            f"{format_bytes(stats[f'{name}.{scope}.{field}']):>12}" for _, name, field in _COLUMNS
+        )
+        row += f"{stats[f'segment.{scope}.current']:>10}"
+        row += f"{stats[f'num_pauses.{scope}']:>8}{stats[f'num_resumes.{scope}']:>8}"
+        row += f"{stats[f'pause_seconds.{scope}']:>9.3f}{stats[f'resume_seconds.{scope}']:>9.3f}"
+        lines.append(row)
+    lines.append(
+        f"host pool: {format_bytes(stats['host_pool_bytes.current'])} pinned "
+        f"({format_bytes(stats['host_pool_cached_bytes.current'])} idle), "
+        f"{stats['host_pool_hits']} reuses, {stats['host_pool_misses']} new buffers"
+    )
+    try:
+        free, total = allocator.mem_get_info()
+        lines.append(f"device: {format_bytes(free)} free of {format_bytes(total)}")
+    except Exception as error:  # the summary must not fail because the driver is absent
+        lines.append(f"device: free memory unknown ({error})")
+    return "\n".join(lines)
