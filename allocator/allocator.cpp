@@ -1,7 +1,7 @@
 #include "allocator/allocator.h"
 
 #include <chrono>
-#include <sstream>
+#include "allocator/message.h"
 
 #include "allocator/errors.h"
 #include "allocator/log.h"
@@ -58,7 +58,7 @@ Footprint Allocator::footprint(const Segment& segment) {
 }
 
 std::string Allocator::memory_report_locked() {
-  std::ostringstream report;
+  Message report;
   const ScopeStats& all = stats_.all();
   report << "device " << device_;
   try {
@@ -88,7 +88,7 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle, const RegionConfig& 
     backing.allocate(*segment);
   } catch (const OutOfMemory& error) {
     stats_.for_scopes(region.mode, region.tag, [](ScopeStats& scope) { ++scope.num_ooms; });
-    std::ostringstream message;
+    Message message;
     message << "out of memory allocating " << format_bytes(segment->size) << " ("
             << mode_name(region.mode) << ", tag " << quoted(region.tag)
             << "): " << memory_report_locked() << ". Driver: " << error.what();
@@ -104,8 +104,8 @@ void Allocator::free(DevicePtr ptr) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = segments_.find(ptr);
   if (it == segments_.end()) {
-    std::ostringstream message;
-    message << "free of 0x" << std::hex << ptr << std::dec << " on device " << device_
+    Message message;
+    message << "free of " << hex_address(ptr) << " on device " << device_
             << ": not an allocation of torch_uvm_saver; ignored";
     log_once("free_unknown", message.str());
     return;
@@ -149,11 +149,11 @@ void Allocator::exit_region(const std::string& tag) {
 Allocator::TagState& Allocator::known_tag_locked(const char* call, const std::string& tag) {
   auto it = tags_.find(tag);
   if (it != tags_.end()) return it->second;
-  std::ostringstream known;
-  for (const auto& [name, state] : tags_) known << (known.tellp() > 0 ? ", " : "") << quoted(name);
-  TUS_THROW(InvalidArgument, call << "(" << quoted(tag) << "): unknown tag on device " << device_
-                                  << " (known tags: "
-                                  << (tags_.empty() ? std::string("none") : known.str()) << ")");
+  Message known;
+  for (const auto& [name, state] : tags_) known << (known.empty() ? "" : ", ") << quoted(name);
+  TUS_THROW(InvalidArgument,
+            call << "(" << quoted(tag) << "): unknown tag on device " << device_
+                 << " (known tags: " << (tags_.empty() ? std::string("none") : known.str()) << ")");
 }
 
 std::vector<Segment*> Allocator::segments_of_locked(const std::string& tag, Mode mode) {

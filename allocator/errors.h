@@ -2,7 +2,8 @@
 // become Python exceptions in the bindings. Nothing in the core calls exit() or abort().
 #pragma once
 
-#include <sstream>
+#include "allocator/message.h"
+
 #include <stdexcept>
 #include <string>
 
@@ -45,7 +46,7 @@ inline std::string located(const char* file, int line, const std::string& messag
   std::string path(file);
   const auto slash = path.rfind("allocator/");
   if (slash != std::string::npos) path = path.substr(slash);
-  std::ostringstream out;
+  Message out;
   out << message << " [" << path << ":" << line << "]";
   return out.str();
 }
@@ -53,10 +54,10 @@ inline std::string located(const char* file, int line, const std::string& messag
 }  // namespace tus
 
 // TUS_THROW(InvalidArgument, "pause: unknown tag '" << tag << "'")
-#define TUS_THROW(Type, stream_expr)                                     \
-  do {                                                                   \
-    std::ostringstream tus_throw_message_;                               \
-    tus_throw_message_ << stream_expr;                                   \
+#define TUS_THROW(Type, stream_expr)                                                 \
+  do {                                                                               \
+    Message tus_throw_message_;                                                      \
+    tus_throw_message_ << stream_expr;                                               \
     throw ::tus::Type(::tus::located(__FILE__, __LINE__, tus_throw_message_.str())); \
   } while (0)
 

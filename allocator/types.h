@@ -8,10 +8,10 @@
 
 namespace tus {
 
-using DevicePtr = std::uintptr_t;   // a device virtual address (CUdeviceptr)
-using PhysHandle = std::uint64_t;   // a physical allocation (CUmemGenericAllocationHandle)
-using StreamHandle = void*;         // CUstream; nullptr is the legacy default stream
-using EventHandle = void*;          // CUevent
+using DevicePtr = std::uintptr_t;  // a device virtual address (CUdeviceptr)
+using PhysHandle = std::uint64_t;  // a physical allocation (CUmemGenericAllocationHandle)
+using StreamHandle = void*;        // CUstream; nullptr is the legacy default stream
+using EventHandle = void*;         // CUevent
 
 constexpr std::size_t kKiB = std::size_t{1} << 10;
 constexpr std::size_t kMiB = std::size_t{1} << 20;

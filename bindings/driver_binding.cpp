@@ -25,8 +25,7 @@ void bind_drivers(py::module_& module) {
             }
             return py::make_tuple(info.free_bytes, info.total_bytes);
           },
-          py::arg("device") = 0,
-          "(free, total) device memory in bytes.")
+          py::arg("device") = 0, "(free, total) device memory in bytes.")
       .def("granularity", &Driver::granularity, py::arg("device") = 0);
 
   py::class_<CudaDriver, Driver, std::shared_ptr<CudaDriver>>(module, "CudaDriver")

@@ -18,5 +18,5 @@ extern "C" {
 __attribute__((visibility("default"))) void* tus_malloc(std::size_t size, int device,
                                                         void* stream) noexcept;
 __attribute__((visibility("default"))) void tus_free(void* ptr, std::size_t size, int device,
-                                                      void* stream) noexcept;
+                                                     void* stream) noexcept;
 }

@@ -14,11 +14,11 @@ namespace tus::bindings {
 
 void bind_registry(py::module_& module) {
   module.def(
-      "get_allocator",
-      [](int device) { return Registry::instance().shared_allocator(device); },
+      "get_allocator", [](int device) { return Registry::instance().shared_allocator(device); },
       py::arg("device"), "The process allocator of `device`, created on first use.");
-  module.def("allocators", [] { return Registry::instance().allocators(); },
-             "Process allocators created so far.");
+  module.def(
+      "allocators", [] { return Registry::instance().allocators(); },
+      "Process allocators created so far.");
   module.def("get_driver", [] { return Registry::instance().driver(); });
   module.def(
       "install_driver",

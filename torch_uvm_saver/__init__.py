@@ -30,12 +30,12 @@ from .stats import memory_stats, memory_summary, reset_peak_memory_stats
 __version__ = "0.1.0"
 
 __all__ = [
+    "_C",
     "CudaError",
     "InvalidArgumentError",
     "InvalidStateError",
     "OutOfMemoryError",
     "TusError",
-    "_C",
     "disable",
     "get_cpu_backup",
     "is_paused",

@@ -28,7 +28,8 @@ def _rate(nbytes: int, seconds: float) -> str:
 
 
 def _report(label: str, freed: int, seconds: float, copied: int) -> None:
-    print(f"  {label:<8} {format_bytes(freed):>12} in {seconds * 1e3:8.1f} ms  ({_rate(copied, seconds)})")
+    rate = _rate(copied, seconds)
+    print(f"  {label:<8} {format_bytes(freed):>12} in {seconds * 1e3:8.1f} ms  ({rate})")
 
 
 def _run_gpu(total: int, count: int, cycles: int) -> bool:
@@ -40,7 +41,9 @@ def _run_gpu(total: int, count: int, cycles: int) -> bool:
     each = total // count
     print(f"GPU: {torch.cuda.get_device_name(device)}; {count} tensors of {format_bytes(each)}")
     with region(TAG, enable_cpu_backup=True):
-        tensors = [torch.randint(0, 256, (each,), dtype=torch.uint8, device="cuda") for _ in range(count)]
+        tensors = [
+            torch.randint(0, 256, (each,), dtype=torch.uint8, device="cuda") for _ in range(count)
+        ]
     expected = [t.sum(dtype=torch.int64).item() for t in tensors]
     pointers = [t.data_ptr() for t in tensors]
     ok = True
@@ -106,12 +109,20 @@ def _run_sim(total: int, count: int, cycles: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_uvm_saver demo", description=__doc__)
-    parser.add_argument("--gib", type=float, default=None,
-                        help="GiB to pause and resume (default 4 on a GPU, 0.5 simulated)")
+    parser.add_argument(
+        "--gib",
+        type=float,
+        default=None,
+        help="GiB to pause and resume (default 4 on a GPU, 0.5 simulated)",
+    )
     parser.add_argument("--tensors", type=int, default=8, help="number of tensors (default 8)")
     parser.add_argument("--cycles", type=int, default=3, help="pause/resume cycles (default 3)")
-    parser.add_argument("--driver", choices=("auto", "cuda", "sim"), default="auto",
-                        help="auto: the GPU when there is one, else the simulated driver")
+    parser.add_argument(
+        "--driver",
+        choices=("auto", "cuda", "sim"),
+        default="auto",
+        help="auto: the GPU when there is one, else the simulated driver",
+    )
     args = parser.parse_args(argv)
     use_gpu = args.driver == "cuda" or (args.driver == "auto" and torch.cuda.is_available())
     if use_gpu and not torch.cuda.is_available():

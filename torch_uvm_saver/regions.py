@@ -28,7 +28,6 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -42,13 +41,13 @@ _DEFAULT_CONFIG = ("vmm", "default", False)
 
 _pools: dict[tuple[str, str, bool, int], torch.cuda.MemPool] = {}
 _pools_lock = threading.Lock()
-_pluggable: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
+_pluggable: torch.cuda.memory.CUDAPluggableAllocator | None = None
 _thread = threading.local()
 
 
 @dataclass
 class _Frame:
-    pool: Optional[torch.cuda.MemPool]  # None inside disable(): PyTorch's own allocator
+    pool: torch.cuda.MemPool | None  # None inside disable(): PyTorch's own allocator
     device: int
     config: tuple[str, str, bool]  # (mode, tag, cpu_backup) for the native thread region
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ _policies: dict[str, tuple[bool, bool]] = {}  # tag -> (retain, pinned)
 _policies_lock = threading.Lock()
 
 
-def _owners(tag: Optional[str], call: str) -> list[_C.Allocator]:
+def _owners(tag: str | None, call: str) -> list[_C.Allocator]:
     allocators = _native.allocators()
     if tag is None:
         return allocators
@@ -45,7 +44,7 @@ def _owners(tag: Optional[str], call: str) -> list[_C.Allocator]:
     return owners
 
 
-def pause(tag: Optional[str] = None) -> int:
+def pause(tag: str | None = None) -> int:
     """Release the device memory of ``tag`` (every tag if None) on every device that has it.
 
     Returns the device bytes released. Pausing a paused tag does nothing and returns 0.
@@ -59,7 +58,7 @@ def pause(tag: Optional[str] = None) -> int:
     return sum(allocator.pause(tag) for allocator in _owners(tag, "pause"))
 
 
-def resume(tag: Optional[str] = None) -> int:
+def resume(tag: str | None = None) -> int:
     """Map device memory again under ``tag`` (every tag if None), restoring backups.
 
     Returns the device bytes mapped. Resuming a tag that is not paused does nothing.
@@ -113,7 +112,7 @@ def _extent_bytes(tensor: torch.Tensor) -> int:
     return (last + 1) * tensor.element_size()
 
 
-def get_cpu_backup(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+def get_cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
     """A CPU copy of ``tensor``'s contents as held in its backup, or None if it has none.
 
     A backup exists while the tensor's tag is paused with ``enable_cpu_backup=True``, and after

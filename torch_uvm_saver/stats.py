@@ -53,8 +53,11 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
     allocator = _native.allocator(device)
     stats = allocator.stats()
     scopes = ["all", *_native.MODES]
-    scopes += sorted(key.split(".")[1] for key in stats if key.startswith("segment.tag:")
-                     and key.endswith(".current"))
+    scopes += sorted(
+        key.split(".")[1]
+        for key in stats
+        if key.startswith("segment.tag:") and key.endswith(".current")
+    )
     header = f"{'scope':<18}" + "".join(f"{title:>12}" for title, _, _ in _COLUMNS)
     header += f"{'segments':>10}{'pauses':>8}{'resumes':>8}{'pause s':>9}{'resume s':>9}"
     lines = [

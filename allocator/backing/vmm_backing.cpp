@@ -21,8 +21,8 @@ std::size_t VmmBacking::rounded_size(std::size_t requested) {
 }
 
 void VmmBacking::allocate(Segment& segment) {
-  const std::size_t chunk_bytes = round_up(std::max<std::size_t>(requested_chunk_bytes_, 1),
-                                           granularity());
+  const std::size_t chunk_bytes =
+      round_up(std::max<std::size_t>(requested_chunk_bytes_, 1), granularity());
   segment.ptr = address_ranges_.take(segment.size);
   segment.chunks.clear();
   for (std::size_t offset = 0; offset < segment.size; offset += chunk_bytes) {

@@ -4,7 +4,7 @@
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
 
-#include <sstream>
+#include "allocator/message.h"
 
 #include "allocator/errors.h"
 
@@ -14,16 +14,19 @@ namespace tus {
 // (the toolkit's PFN_<name>_v<version> typedefs). cuGetProcAddress is asked for exactly that
 // version, so a newer driver that changed a signature (cuCtxSynchronize gained a context argument
 // in CUDA 13) still hands out the one this code calls.
-#define TUS_CUDA_ENTRY_POINTS(X)                                                             \
-  X(cuInit, 2000) X(cuGetErrorName, 6000) X(cuDeviceGet, 2000) X(cuDeviceGetCount, 2000)     \
-  X(cuDevicePrimaryCtxRetain, 7000) X(cuCtxGetCurrent, 4000) X(cuCtxSetCurrent, 4000)        \
-  X(cuCtxSynchronize, 2000) X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020)    \
-  X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)             \
-  X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)    \
-  X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemHostAlloc, 2020) X(cuMemFreeHost, 2000)      \
-  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000) X(cuStreamSynchronize, 2000)              \
-  X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)                      \
-  X(cuEventSynchronize, 2000) X(cuMemcpyDtoHAsync, 3020) X(cuMemcpyHtoDAsync, 3020)
+#define TUS_CUDA_ENTRY_POINTS(X)                                                                  \
+  X(cuInit, 2000)                                                                                 \
+  X(cuGetErrorName, 6000) X(cuDeviceGet, 2000) X(cuDeviceGetCount, 2000)                          \
+      X(cuDevicePrimaryCtxRetain, 7000) X(cuCtxGetCurrent, 4000) X(cuCtxSetCurrent, 4000)         \
+          X(cuCtxSynchronize, 2000) X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020) \
+              X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)      \
+                  X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020)                  \
+                      X(cuMemSetAccess, 10020) X(cuMemAlloc, 3020) X(cuMemFree, 3020)             \
+                          X(cuMemHostAlloc, 2020) X(cuMemFreeHost, 2000) X(cuStreamCreate, 2000)  \
+                              X(cuStreamDestroy, 4000) X(cuStreamSynchronize, 2000)               \
+                                  X(cuEventCreate, 2000) X(cuEventDestroy, 4000)                  \
+                                      X(cuEventRecord, 2000) X(cuEventSynchronize, 2000)          \
+                                          X(cuMemcpyDtoHAsync, 3020) X(cuMemcpyHtoDAsync, 3020)
 
 struct CudaApi {
 #define TUS_DECLARE_ENTRY(fn, version) PFN_##fn##_v##version fn = nullptr;
@@ -45,7 +48,7 @@ std::string error_name(const CudaApi& api, CUresult result) {
 
 void check(const CudaApi& api, CUresult result, const char* call, const std::string& details) {
   if (result == CUDA_SUCCESS) return;
-  std::ostringstream message;
+  Message message;
   message << call << "(" << details << ") failed: " << error_name(api, result);
   if (result == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(message.str());
   throw CudaError(message.str(), static_cast<int>(result));
@@ -75,7 +78,8 @@ class CudaDriver::ContextGuard {
     CUcontext wanted = static_cast<CUcontext>(driver.primary_context(device));
     check(api_, api_.cuCtxGetCurrent(&previous_), "cuCtxGetCurrent", "");
     if (previous_ != wanted) {
-      check(api_, api_.cuCtxSetCurrent(wanted), "cuCtxSetCurrent", "device " + std::to_string(device));
+      check(api_, api_.cuCtxSetCurrent(wanted), "cuCtxSetCurrent",
+            "device " + std::to_string(device));
       switched_ = true;
     }
   }
@@ -105,26 +109,26 @@ const CudaApi& CudaDriver::api() {
                     "driver.";
       return;
     }
-    using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t,
-                                        CUdriverProcAddressQueryResult*);
+    using GetProcAddress =
+        CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
     auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(library, "cuGetProcAddress_v2"));
     if (get_proc == nullptr) {
-      load_error_ = "libcuda.so.1 has no cuGetProcAddress_v2: the NVIDIA driver is older than "
-                    "CUDA 12; torch_uvm_saver needs a driver for CUDA 12 or newer.";
+      load_error_ =
+          "libcuda.so.1 has no cuGetProcAddress_v2: the NVIDIA driver is older than "
+          "CUDA 12; torch_uvm_saver needs a driver for CUDA 12 or newer.";
       return;
     }
     auto api = std::make_unique<CudaApi>();
     std::string missing;
-#define TUS_RESOLVE_ENTRY(fn, version)                                                     \
-  {                                                                                        \
-    void* address = nullptr;                                                               \
-    CUdriverProcAddressQueryResult status;                                                 \
-    if (get_proc(#fn, &address, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=          \
-            CUDA_SUCCESS ||                                                                \
-        address == nullptr) {                                                              \
-      missing += std::string(missing.empty() ? "" : ", ") + #fn;                           \
-    }                                                                                      \
-    api->fn = reinterpret_cast<decltype(api->fn)>(address);                                \
+#define TUS_RESOLVE_ENTRY(fn, version)                                                            \
+  {                                                                                               \
+    void* address = nullptr;                                                                      \
+    CUdriverProcAddressQueryResult status;                                                        \
+    if (get_proc(#fn, &address, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || \
+        address == nullptr) {                                                                     \
+      missing += std::string(missing.empty() ? "" : ", ") + #fn;                                  \
+    }                                                                                             \
+    api->fn = reinterpret_cast<decltype(api->fn)>(address);                                       \
   }
     TUS_CUDA_ENTRY_POINTS(TUS_RESOLVE_ENTRY)
 #undef TUS_RESOLVE_ENTRY
@@ -152,7 +156,8 @@ void* CudaDriver::primary_context(int device) {
   if (primary_contexts_[device] == nullptr) {
     const CudaApi& cuda = api();
     CUdevice handle;
-    check(cuda, cuda.cuDeviceGet(&handle, device), "cuDeviceGet", "device " + std::to_string(device));
+    check(cuda, cuda.cuDeviceGet(&handle, device), "cuDeviceGet",
+          "device " + std::to_string(device));
     CUcontext context;
     // Retained for the life of the process: PyTorch uses the same primary context.
     check(cuda, cuda.cuDevicePrimaryCtxRetain(&context, handle), "cuDevicePrimaryCtxRetain",
@@ -182,8 +187,7 @@ std::size_t CudaDriver::granularity(int device) {
   ContextGuard guard(*this, device);
   CUmemAllocationProp prop = device_allocation_prop(device);
   std::size_t value = 0;
-  check(api(),
-        api().cuMemGetAllocationGranularity(&value, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+  check(api(), api().cuMemGetAllocationGranularity(&value, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
         "cuMemGetAllocationGranularity", "device " + std::to_string(device));
   granularity_[device] = value;
   return value;

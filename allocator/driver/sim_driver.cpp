@@ -5,7 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
+#include "allocator/message.h"
 
 #include "allocator/errors.h"
 
@@ -16,13 +16,15 @@ namespace {
 constexpr int kInvalidValue = 1;  // CUDA_ERROR_INVALID_VALUE
 
 [[noreturn]] void fail(const char* call, int code, const std::string& why) {
-  std::ostringstream message;
+  Message message;
   message << "sim " << call << " failed: " << why << " (error " << code << ")";
   if (code == SimDriver::kOutOfMemoryCode) throw OutOfMemory(message.str());
   throw CudaError(message.str(), code);
 }
 
-std::string system_error(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
+std::string system_error(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
 
 }  // namespace
 
@@ -33,8 +35,8 @@ SimDriver::SimDriver(std::size_t capacity_bytes, int device_count, std::size_t g
       used_(static_cast<std::size_t>(device_count), 0) {
   if (device_count < 1) TUS_THROW(InvalidArgument, "SimDriver needs at least one device");
   if (granularity == 0 || granularity % static_cast<std::size_t>(getpagesize()) != 0) {
-    TUS_THROW(InvalidArgument, "SimDriver granularity " << granularity
-                                                        << " must be a multiple of the page size");
+    TUS_THROW(InvalidArgument,
+              "SimDriver granularity " << granularity << " must be a multiple of the page size");
   }
 }
 
@@ -87,7 +89,7 @@ std::size_t SimDriver::pinned_host_bytes() const {
 
 void SimDriver::check_device_locked(int device) const {
   if (device < 0 || device >= device_count_) {
-    std::ostringstream why;
+    Message why;
     why << "device " << device << " does not exist (the simulated machine has " << device_count_
         << ")";
     throw InvalidArgument(why.str());
@@ -112,9 +114,9 @@ void SimDriver::enter_locked(const char* call, int device) {
 void SimDriver::charge_locked(int device, std::size_t size, const char* call) {
   std::size_t& used = used_[static_cast<std::size_t>(device)];
   if (size > capacity_ - used) {
-    std::ostringstream why;
-    why << "out of memory asking for " << size << " bytes with " << (capacity_ - used)
-        << " of " << capacity_ << " free on device " << device;
+    Message why;
+    why << "out of memory asking for " << size << " bytes with " << (capacity_ - used) << " of "
+        << capacity_ << " free on device " << device;
     fail(call, kOutOfMemoryCode, why.str());
   }
   used += size;
@@ -142,8 +144,10 @@ DevicePtr SimDriver::reserve_address(int device, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("reserve_address", device);
   if (size == 0 || size % granularity_ != 0) {
-    fail("reserve_address", kInvalidValue, "size " + std::to_string(size) + " is not a multiple "
-                                               "of the granularity");
+    fail("reserve_address", kInvalidValue,
+         "size " + std::to_string(size) +
+             " is not a multiple "
+             "of the granularity");
   }
   // Over-reserve and trim so the range is aligned to the granularity, as CUDA's are.
   const std::size_t padded = size + granularity_;
@@ -274,7 +278,8 @@ void SimDriver::set_access(int device, DevicePtr ptr, std::size_t size) {
 DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("mem_alloc", device);
-  const std::size_t rounded = round_up(size == 0 ? 1 : size, static_cast<std::size_t>(getpagesize()));
+  const std::size_t rounded =
+      round_up(size == 0 ? 1 : size, static_cast<std::size_t>(getpagesize()));
   charge_locked(device, rounded, "mem_alloc");
   void* ptr = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (ptr == MAP_FAILED) {

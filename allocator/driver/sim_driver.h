@@ -109,7 +109,7 @@ class SimDriver final : public Driver {
   const std::size_t capacity_;
   const int device_count_;
   const std::size_t granularity_;
-  std::vector<std::size_t> used_;                 // per device
+  std::vector<std::size_t> used_;                  // per device
   std::map<DevicePtr, std::size_t> reservations_;  // start -> size
   std::map<DevicePtr, Mapping> mappings_;          // start -> mapping
   std::map<PhysHandle, Physical> physicals_;

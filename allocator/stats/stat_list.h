@@ -5,25 +5,25 @@
 
 // Gauges: current, peak, allocated (sum of increases), freed (sum of decreases). Bytes are
 // rounded to the backing's granularity, so allocated_bytes == active_bytes + paused_bytes.
-#define TUS_GAUGE_STATS(X)                                                                     \
-  X(allocated_bytes, "bytes of segments handed to the client, paused ones included")          \
-  X(requested_bytes, "bytes the client asked for (before rounding)")                          \
-  X(reserved_bytes, "device memory held from the driver, in use or cached")                   \
-  X(active_bytes, "allocated bytes that are resident on the device")                          \
-  X(paused_bytes, "allocated bytes that are paused: their addresses hold no memory")          \
-  X(cpu_backup_bytes, "host memory holding backups of paused (or retained) segments")         \
+#define TUS_GAUGE_STATS(X)                                                            \
+  X(allocated_bytes, "bytes of segments handed to the client, paused ones included")  \
+  X(requested_bytes, "bytes the client asked for (before rounding)")                  \
+  X(reserved_bytes, "device memory held from the driver, in use or cached")           \
+  X(active_bytes, "allocated bytes that are resident on the device")                  \
+  X(paused_bytes, "allocated bytes that are paused: their addresses hold no memory")  \
+  X(cpu_backup_bytes, "host memory holding backups of paused (or retained) segments") \
   X(segment, "segments handed to the client")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
-#define TUS_COUNTER_STATS(X)                                                                   \
-  X(num_pauses, "pause calls that released memory")                                           \
-  X(num_resumes, "resume calls that mapped memory")                                           \
-  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")                    \
-  X(resume_copy_bytes, "bytes copied host to device by resumes with backup")                  \
-  X(num_ooms, "allocations and resumes refused for lack of device memory")                    \
+#define TUS_COUNTER_STATS(X)                                                 \
+  X(num_pauses, "pause calls that released memory")                          \
+  X(num_resumes, "resume calls that mapped memory")                          \
+  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")   \
+  X(resume_copy_bytes, "bytes copied host to device by resumes with backup") \
+  X(num_ooms, "allocations and resumes refused for lack of device memory")   \
   X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)")
 
 // Timers: seconds spent, summed over calls.
-#define TUS_TIMER_STATS(X)                                                                     \
-  X(pause_seconds, "wall time spent in pause, device synchronize included")                   \
+#define TUS_TIMER_STATS(X)                                                  \
+  X(pause_seconds, "wall time spent in pause, device synchronize included") \
   X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")

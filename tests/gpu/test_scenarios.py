@@ -1,0 +1,36 @@
+"""Runs each GPU scenario of scenarios.py in a fresh Python process.
+
+A fresh process per scenario keeps allocator, pool and driver state from leaking between cases,
+and lets the exit-time scenarios check how the process ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scenarios import SCENARIOS
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario(name: str) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TUS_DRIVER", None)
+    result = subprocess.run(
+        [sys.executable, str(HERE / "scenarios.py"), name],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    output = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert f"SCENARIO {name} OK" in result.stdout, output
+    assert "Segmentation fault" not in result.stderr, output
+    assert "terminate called" not in result.stderr, output
