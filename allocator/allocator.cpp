@@ -49,7 +49,7 @@ Footprint Allocator::footprint(const Segment& segment) {
   const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
   print.allocated = static_cast<std::int64_t>(segment.size);
   print.requested = static_cast<std::int64_t>(segment.requested);
-  print.reserved = resident;
+  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
   print.active = resident;
   print.paused = print.allocated - resident;
   print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
@@ -183,9 +183,15 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
     }
     return pause_tag_locked(*tag);
   }
-  for (const auto& [name, state] : tags_) check_pausable_locked("pause", name);
+  // Every tag that pause(tag) would accept: tags holding `device` memory cannot pause.
+  std::vector<std::string> pausable;
+  for (const auto& [name, state] : tags_) {
+    if (!segments_of_locked(name, Mode::kDevice).empty()) continue;
+    check_pausable_locked("pause", name);
+    pausable.push_back(name);
+  }
   std::size_t released = 0;
-  for (auto& [name, state] : tags_) released += pause_tag_locked(name);
+  for (const std::string& name : pausable) released += pause_tag_locked(name);
   return released;
 }
 
@@ -224,16 +230,17 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Footprint after = footprint(*segments[i]);
     stats_.apply(Mode::kVmm, tag, before[i], after);
-    const auto freed = static_cast<std::size_t>(before[i].active - after.active);
-    released += freed;
-    if (segments[i]->cpu_backup) copied += freed;
+    released += static_cast<std::size_t>(before[i].reserved - after.reserved);
+    // Only chunks that were resident get copied (stale ones are released without a copy).
+    if (segments[i]->cpu_backup)
+      copied += static_cast<std::size_t>(before[i].active - after.active);
   }
   bool any_paused = false;
   for (const Segment* segment : segments) any_paused = any_paused || segment->paused();
   state.paused = !error || any_paused;
   const double elapsed = seconds_since(start);
   stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
-    ++scope.num_pauses;
+    if (released > 0) ++scope.num_pauses;
     scope.pause_seconds += elapsed;
     scope.pause_copy_bytes += static_cast<std::int64_t>(copied);
   });
@@ -255,8 +262,8 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     if (!segment->paused()) continue;
     segments.push_back(segment);
     for (const Chunk& chunk : segment->chunks) {
-      if (chunk.mapped) continue;
-      needed += chunk.size;
+      if (chunk.mapped && !chunk.stale) continue;
+      if (!chunk.mapped) needed += chunk.size;
       if (segment->backup && chunk.backed_up) to_copy += chunk.size;
     }
   }

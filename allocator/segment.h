@@ -20,6 +20,10 @@ struct Chunk {
   PhysHandle handle = 0;   // 0 while no physical memory is created for the chunk
   bool mapped = false;     // physical memory is mapped and accessible at ptr + offset
   bool backed_up = false;  // the segment's host backup holds this chunk's bytes (as of its pause)
+  // Mapped, but its contents are not the chunk's: a failed resume could not unmap the memory it
+  // had mapped (Note [Failure atomicity]). The backup, if any, holds the truth; the chunk counts as
+  // paused until a resume restores it or a pause releases it.
+  bool stale = false;
 };
 
 struct Segment {
@@ -34,19 +38,22 @@ struct Segment {
 
   bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
 
-  std::size_t resident_bytes() const {
+  // Device memory held from the driver for this segment.
+  std::size_t mapped_bytes() const {
     if (chunks.empty()) return size;
     std::size_t bytes = 0;
     for (const Chunk& chunk : chunks) bytes += chunk.mapped ? chunk.size : 0;
     return bytes;
   }
-  bool paused() const { return resident_bytes() < size; }
-  bool has_mapped_chunk() const {
-    for (const Chunk& chunk : chunks) {
-      if (chunk.mapped) return true;
-    }
-    return false;
+  // Bytes the client can use right now: mapped and holding the segment's contents.
+  std::size_t resident_bytes() const {
+    if (chunks.empty()) return size;
+    std::size_t bytes = 0;
+    for (const Chunk& chunk : chunks) bytes += chunk.mapped && !chunk.stale ? chunk.size : 0;
+    return bytes;
   }
+  bool paused() const { return resident_bytes() < size; }
+  bool has_mapped_chunk() const { return mapped_bytes() > 0; }
 };
 
 }  // namespace tus

@@ -1,5 +1,6 @@
-// Python view of one device's Allocator. The GIL is released around every call that may reach
-// the driver, so a pause on one thread never blocks Python on another.
+// Python view of one device's Allocator. The GIL is released around every call that takes the
+// allocator's lock (which a pause holds while its copies run) or reaches the driver, so a pause
+// on one thread never blocks Python on another. Python objects are built only with the GIL held.
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -63,8 +64,10 @@ void bind_allocator(py::module_& module) {
           [](Allocator& self, const std::string& tag, const std::string& mode, bool cpu_backup) {
             self.enter_region(make_region(tag, mode, cpu_backup));
           },
-          py::arg("tag"), py::arg("mode") = "vmm", py::arg("cpu_backup") = false)
-      .def("exit_region", &Allocator::exit_region, py::arg("tag"))
+          py::arg("tag"), py::arg("mode") = "vmm", py::arg("cpu_backup") = false,
+          py::call_guard<py::gil_scoped_release>())
+      .def("exit_region", &Allocator::exit_region, py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "pause", [](Allocator& self, const Tag& tag) { return self.pause(tag); },
           py::arg("tag") = py::none(), py::call_guard<py::gil_scoped_release>(),
@@ -78,10 +81,15 @@ void bind_allocator(py::module_& module) {
           [](Allocator& self, const std::string& tag, bool retain, bool pinned) {
             self.set_backup_policy(tag, BackupPolicy{retain, pinned});
           },
-          py::arg("tag"), py::arg("retain") = false, py::arg("pinned") = true)
+          py::arg("tag"), py::arg("retain") = false, py::arg("pinned") = true,
+          py::call_guard<py::gil_scoped_release>())
       .def("backup_policy",
            [](const Allocator& self, const std::string& tag) {
-             const BackupPolicy policy = self.backup_policy(tag);
+             BackupPolicy policy;
+             {
+               py::gil_scoped_release release;
+               policy = self.backup_policy(tag);
+             }
              py::dict out;
              out["retain"] = policy.retain;
              out["pinned"] = policy.pinned;
@@ -90,28 +98,41 @@ void bind_allocator(py::module_& module) {
       .def(
           "backup_of",
           [](const Allocator& self, std::uintptr_t ptr) -> std::optional<py::tuple> {
-            const auto view = self.backup_of(ptr);
+            std::optional<BackupView> view;
+            {
+              py::gil_scoped_release release;
+              view = self.backup_of(ptr);
+            }
             if (!view) return std::nullopt;
             return py::make_tuple(view->host_address, view->bytes);
           },
           py::arg("ptr"), "(host address, bytes available) of the backup of `ptr`, or None.")
-      .def("knows_tag", &Allocator::knows_tag)
-      .def("is_paused", &Allocator::is_paused)
-      .def("tags", &Allocator::tags)
+      .def("knows_tag", &Allocator::knows_tag, py::call_guard<py::gil_scoped_release>())
+      .def("is_paused", &Allocator::is_paused, py::call_guard<py::gil_scoped_release>())
+      .def("tags", &Allocator::tags, py::call_guard<py::gil_scoped_release>())
       .def("segments",
            [](const Allocator& self) {
+             std::vector<SegmentInfo> infos;
+             {
+               py::gil_scoped_release release;
+               infos = self.segments();
+             }
              py::list out;
-             for (const SegmentInfo& info : self.segments()) out.append(segment_dict(info));
+             for (const SegmentInfo& info : infos) out.append(segment_dict(info));
              return out;
            })
-      .def("stats", &Allocator::stats)
-      .def("reset_peak", &Allocator::reset_peak)
+      .def("stats", &Allocator::stats, py::call_guard<py::gil_scoped_release>())
+      .def("reset_peak", &Allocator::reset_peak, py::call_guard<py::gil_scoped_release>())
       .def("release_host_cache", &Allocator::release_host_cache,
            py::call_guard<py::gil_scoped_release>())
       .def(
           "mem_get_info",
           [](Allocator& self) {
-            const MemInfo info = self.mem_get_info();
+            MemInfo info;
+            {
+              py::gil_scoped_release release;
+              info = self.mem_get_info();
+            }
             return py::make_tuple(info.free_bytes, info.total_bytes);
           },
           "(free, total) device memory in bytes, as the driver reports it.");

@@ -14,7 +14,7 @@ void bind_drivers(py::module_& module) {
   py::class_<Driver, std::shared_ptr<Driver>>(module, "Driver",
                                               "A CUDA driver implementation (real or simulated).")
       .def_property_readonly("name", &Driver::name)
-      .def("device_count", &Driver::device_count)
+      .def("device_count", &Driver::device_count, py::call_guard<py::gil_scoped_release>())
       .def(
           "mem_get_info",
           [](Driver& driver, int device) {
@@ -26,7 +26,28 @@ void bind_drivers(py::module_& module) {
             return py::make_tuple(info.free_bytes, info.total_bytes);
           },
           py::arg("device") = 0, "(free, total) device memory in bytes.")
-      .def("granularity", &Driver::granularity, py::arg("device") = 0);
+      .def("granularity", &Driver::granularity, py::arg("device") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      // The raw VMM and allocation primitives, for tests and tools that check a driver against
+      // the contract in driver.h. Nothing tracks what is made through them: the caller undoes it.
+      .def("reserve_address", &Driver::reserve_address, py::arg("device"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("free_address", &Driver::free_address, py::arg("device"), py::arg("ptr"),
+           py::arg("size"), py::call_guard<py::gil_scoped_release>())
+      .def("create_physical", &Driver::create_physical, py::arg("device"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release_physical", &Driver::release_physical, py::arg("device"), py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("map", &Driver::map, py::arg("device"), py::arg("ptr"), py::arg("size"),
+           py::arg("handle"), py::call_guard<py::gil_scoped_release>())
+      .def("unmap", &Driver::unmap, py::arg("device"), py::arg("ptr"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_access", &Driver::set_access, py::arg("device"), py::arg("ptr"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("mem_alloc", &Driver::mem_alloc, py::arg("device"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("mem_free", &Driver::mem_free, py::arg("device"), py::arg("ptr"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<CudaDriver, Driver, std::shared_ptr<CudaDriver>>(module, "CudaDriver")
       .def(py::init<>());
@@ -38,13 +59,17 @@ void bind_drivers(py::module_& module) {
            py::arg("device_count") = 1, py::arg("granularity") = 2 * kMiB)
       .def("fail_on", &SimDriver::fail_on, py::arg("call"), py::arg("nth") = 1,
            py::arg("error_code") = SimDriver::kDefaultErrorCode,
+           py::call_guard<py::gil_scoped_release>(),
            "Make the nth call of `call` from now fail (error_code 2 = out of memory).")
-      .def("clear_faults", &SimDriver::clear_faults)
-      .def("call_counts", &SimDriver::call_counts)
-      .def("reset_call_counts", &SimDriver::reset_call_counts)
-      .def("used_bytes", &SimDriver::used_bytes, py::arg("device") = 0)
-      .def("mapped_ranges", &SimDriver::mapped_ranges)
-      .def("pinned_host_bytes", &SimDriver::pinned_host_bytes)
+      .def("clear_faults", &SimDriver::clear_faults, py::call_guard<py::gil_scoped_release>())
+      .def("call_counts", &SimDriver::call_counts, py::call_guard<py::gil_scoped_release>())
+      .def("reset_call_counts", &SimDriver::reset_call_counts,
+           py::call_guard<py::gil_scoped_release>())
+      .def("used_bytes", &SimDriver::used_bytes, py::arg("device") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("mapped_ranges", &SimDriver::mapped_ranges, py::call_guard<py::gil_scoped_release>())
+      .def("pinned_host_bytes", &SimDriver::pinned_host_bytes,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("capacity", &SimDriver::capacity_bytes);
 }
 

@@ -26,6 +26,7 @@ void bind_registry(py::module_& module) {
         Registry::instance().install_driver(std::move(driver), AllocatorOptions{chunk_bytes});
       },
       py::arg("driver"), py::arg("chunk_bytes") = AllocatorOptions{}.chunk_bytes,
+      py::call_guard<py::gil_scoped_release>(),
       "Use `driver` for the process allocators (refused while they hold memory).");
   module.def(
       "set_thread_region",

@@ -66,13 +66,13 @@ void VmmBacking::release_chunk(Segment& segment, Chunk& chunk) {
   if (chunk.mapped) {
     driver_.unmap(device_, segment.ptr + chunk.offset, chunk.size);
     chunk.mapped = false;
+    chunk.stale = false;
   }
   if (chunk.handle != 0) {
-    const PhysHandle handle = chunk.handle;
-    // Forget the handle before releasing it: if the release fails, retrying it later could
-    // release a handle number the driver has since given to someone else.
+    // The handle is forgotten only once the driver has taken it back: a handle whose release
+    // failed is still alive, so a later release (pause, free) retries it.
+    driver_.release_physical(device_, chunk.handle);
     chunk.handle = 0;
-    driver_.release_physical(device_, handle);
   }
 }
 

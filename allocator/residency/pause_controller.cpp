@@ -47,7 +47,8 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
     for (Segment* segment : segments) {
       if (!segment->cpu_backup) continue;
       for (Chunk& chunk : segment->chunks) {
-        if (!chunk.mapped) continue;
+        // A stale chunk's backup already holds the truth; copying would overwrite it.
+        if (!chunk.mapped || chunk.stale) continue;
         chunk.backed_up = false;
         copies_.to_host(segment->backup.bytes() + chunk.offset, segment->ptr + chunk.offset,
                         chunk.size);
@@ -77,31 +78,43 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
 
 void PauseController::resume(const std::vector<Segment*>& segments, Backing& backing,
                              const BackupPolicy& policy) {
-  std::vector<std::pair<Segment*, Chunk*>> mapped_now;
+  // Every chunk that does not hold its contents: unmapped ones get fresh memory, stale ones keep
+  // theirs and only need the copy.
+  std::vector<std::pair<Segment*, Chunk*>> targets;
+  for (Segment* segment : segments) {
+    for (Chunk& chunk : segment->chunks) {
+      if (!chunk.mapped || chunk.stale) targets.emplace_back(segment, &chunk);
+    }
+  }
+  std::vector<bool> was_mapped;
+  for (const auto& [segment, chunk] : targets) was_mapped.push_back(chunk->mapped);
   try {
-    for (Segment* segment : segments) {
-      for (Chunk& chunk : segment->chunks) {
-        if (chunk.mapped) continue;
-        backing.restore_chunk(*segment, chunk);
-        mapped_now.emplace_back(segment, &chunk);
-        if (segment->backup && chunk.backed_up) {
-          copies_.to_device(segment->ptr + chunk.offset, segment->backup.bytes() + chunk.offset,
-                            chunk.size);
-        }
+    for (auto& [segment, chunk] : targets) {
+      backing.restore_chunk(*segment, *chunk);
+      if (segment->backup && chunk->backed_up) {
+        copies_.to_device(segment->ptr + chunk->offset, segment->backup.bytes() + chunk->offset,
+                          chunk->size);
       }
     }
     copies_.synchronize();  // Note [Resume visibility]
   } catch (...) {
     drain_quietly(copies_);
-    for (auto& [segment, chunk] : mapped_now) {
-      try {
-        backing.release_chunk(*segment, *chunk);
-      } catch (...) {
-        // The chunk's flags still say what it holds; the original error is rethrown below.
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      auto& [segment, chunk] = targets[i];
+      if (chunk->mapped && !was_mapped[i]) {
+        try {
+          backing.release_chunk(*segment, *chunk);
+        } catch (...) {
+          // Reported by the original error below.
+        }
       }
+      // Whatever is still mapped here holds bytes that are not the chunk's (Note [Failure
+      // atomicity]): the next resume copies the backup in, the next pause just releases it.
+      if (chunk->mapped) chunk->stale = true;
     }
     throw;
   }
+  for (auto& [segment, chunk] : targets) chunk->stale = false;
   if (!policy.retain) {
     for (Segment* segment : segments) {
       if (segment->backup) drop_backup(*segment);

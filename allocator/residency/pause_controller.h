@@ -18,10 +18,12 @@
 //
 // Note [Failure atomicity]
 //  A failed resume unmaps and releases every chunk it mapped, so the tag is exactly as paused as
-//  before and a later resume can succeed. A failed pause leaves each chunk either still mapped
-//  with its contents, or unmapped with its bytes in the backup (when the segment has one): the
-//  chunk-level state says which, and the next pause or resume carries on from there. No backed-up
-//  byte is lost in either case.
+//  before and a later resume can succeed; a chunk it cannot unmap again is marked stale (mapped,
+//  contents not yet restored) and stays paused as far as the client and the stats are concerned,
+//  so the next resume copies its backup in and the next pause only releases it. A failed pause
+//  leaves each chunk either still mapped with its contents, or unmapped with its bytes in the
+//  backup (when the segment has one): the chunk-level state says which, and the next pause or
+//  resume carries on from there. No backed-up byte is lost in either case.
 #pragma once
 
 #include <vector>

@@ -15,12 +15,12 @@
   X(segment, "segments handed to the client")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
-#define TUS_COUNTER_STATS(X)                                                 \
-  X(num_pauses, "pause calls that released memory")                          \
-  X(num_resumes, "resume calls that mapped memory")                          \
-  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")   \
-  X(resume_copy_bytes, "bytes copied host to device by resumes with backup") \
-  X(num_ooms, "allocations and resumes refused for lack of device memory")   \
+#define TUS_COUNTER_STATS(X)                                                          \
+  X(num_pauses, "pauses of a tag that released memory (partly failed ones included)") \
+  X(num_resumes, "resumes of a tag that completed")                                   \
+  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")            \
+  X(resume_copy_bytes, "bytes copied host to device by resumes with backup")          \
+  X(num_ooms, "allocations and resumes refused for lack of device memory")            \
   X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)")
 
 // Timers: seconds spent, summed over calls.

@@ -1,0 +1,108 @@
+"""Shared fixtures of the CPU-only suite: a fresh SimDriver and Allocator per test, and helpers
+that write random bytes to a (simulated) device address, read them back and check the stats.
+
+The simulated device memory is host memory mapped at the returned address, so ``ctypes`` reads
+and writes it directly. Helpers are fixtures rather than importable functions: tests/gpu has a
+conftest.py of its own, and ``import conftest`` would be ambiguous between the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable
+
+import pytest
+
+# Importing the package (before any test module) hands the public exception classes to _C, so
+# errors raised by the native core arrive as torch_uvm_saver.errors.* in every test.
+import torch_uvm_saver  # noqa: F401
+from torch_uvm_saver import _C
+
+MiB = 1 << 20
+GRANULARITY = 2 * MiB
+CHUNK = 4 * MiB  # several chunks per segment, so pause/resume work chunk by chunk
+CAPACITY = 256 * MiB
+
+GAUGES = (
+    "allocated_bytes",
+    "requested_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "paused_bytes",
+    "cpu_backup_bytes",
+    "segment",
+)
+
+
+def new_driver(capacity: int = CAPACITY) -> _C.SimDriver:
+    return _C.SimDriver(capacity, 1, GRANULARITY)
+
+
+def new_allocator(driver: _C.SimDriver) -> _C.Allocator:
+    return _C.Allocator(driver, device=0, chunk_bytes=CHUNK)
+
+
+def write_random(ptr: int, size: int) -> bytes:
+    """Fills ``size`` bytes at ``ptr`` with fresh random data and returns that data."""
+    data = os.urandom(size)
+    ctypes.memmove(ptr, data, size)
+    return data
+
+
+def read(ptr: int, size: int) -> bytes:
+    return ctypes.string_at(ptr, size)
+
+
+def scopes_of(stats: dict[str, float]) -> set[str]:
+    """Every scope the stats dict has: 'all', the modes and 'tag:<tag>'."""
+    return {key.split(".")[1] for key in stats if key.startswith("allocated_bytes.")}
+
+
+def assert_consistent(allocator: _C.Allocator) -> dict[str, float]:
+    """Checks allocated == active + paused (and no gauge below 0) in every scope; returns stats."""
+    stats = allocator.stats()
+    for scope in scopes_of(stats):
+        allocated = stats[f"allocated_bytes.{scope}.current"]
+        active = stats[f"active_bytes.{scope}.current"]
+        paused = stats[f"paused_bytes.{scope}.current"]
+        assert allocated == active + paused, (scope, allocated, active, paused)
+        for gauge in GAUGES:
+            assert stats[f"{gauge}.{scope}.current"] >= 0, (gauge, scope)
+    return stats
+
+
+@pytest.fixture
+def driver() -> _C.SimDriver:
+    return new_driver()
+
+
+@pytest.fixture
+def allocator(driver: _C.SimDriver) -> _C.Allocator:
+    return new_allocator(driver)
+
+
+@pytest.fixture
+def make_pair() -> Callable[..., tuple[_C.SimDriver, _C.Allocator]]:
+    """Factory for a fresh (driver, allocator) of a chosen capacity."""
+
+    def make(capacity: int = CAPACITY) -> tuple[_C.SimDriver, _C.Allocator]:
+        driver = new_driver(capacity)
+        return driver, new_allocator(driver)
+
+    return make
+
+
+@pytest.fixture
+def fill() -> Callable[[int, int], bytes]:
+    return write_random
+
+
+@pytest.fixture
+def peek() -> Callable[[int, int], bytes]:
+    return read
+
+
+@pytest.fixture
+def consistent() -> Callable[[_C.Allocator], dict[str, float]]:
+    return assert_consistent

@@ -1,0 +1,224 @@
+"""The public Python API (torch_uvm_saver.*) on the process registry, with a SimDriver installed
+through _C.install_driver: pause/resume/is_paused, the stats functions, backup policies, the host
+cache, argument errors, the exception classes, and what region()/get_cpu_backup() say on a
+machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_uvm_saver as tus
+from torch_uvm_saver import _C
+from torch_uvm_saver.errors import (
+    CudaError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfMemoryError,
+    TusError,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def process():
+    """Installs a fresh SimDriver as the process driver; frees what the test left at the end."""
+    driver = _C.SimDriver(256 * MiB, 1, 2 * MiB)
+    _C.install_driver(driver, chunk_bytes=4 * MiB)
+    allocator = _C.get_allocator(0)
+    assert allocator.driver.name == "sim"
+    yield driver, allocator
+    for segment in allocator.segments():
+        allocator.free(segment["ptr"])
+    allocator.release_host_cache()
+    assert driver.used_bytes() == 0
+
+
+def test_install_driver_is_refused_while_memory_is_held(process) -> None:
+    driver, allocator = process
+    allocator.malloc(2 * MiB, tag="held")
+    with pytest.raises(InvalidStateError, match="still holds memory"):
+        _C.install_driver(_C.SimDriver(64 * MiB, 1, 2 * MiB), chunk_bytes=4 * MiB)
+    assert _C.get_allocator(0) is allocator
+    assert _C.get_driver().used_bytes() == driver.used_bytes() == 2 * MiB
+
+
+def test_pause_resume_through_the_package(process, fill, peek) -> None:
+    driver, allocator = process
+    ptr = allocator.malloc(10 * MiB, tag="api-a", cpu_backup=True)
+    other = allocator.malloc(4 * MiB, tag="api-b")
+    data = fill(ptr, 10 * MiB)
+    assert tus.pause("api-a") == 10 * MiB
+    assert tus.is_paused("api-a")
+    assert not tus.is_paused("api-b")
+    assert driver.used_bytes() == 4 * MiB
+    assert tus.pause("api-a") == 0
+    assert tus.resume("api-a") == 10 * MiB
+    assert not tus.is_paused("api-a")
+    assert peek(ptr, 10 * MiB) == data
+    assert tus.pause() == 14 * MiB
+    assert tus.is_paused("api-b")
+    assert tus.resume(None) == 14 * MiB
+    assert peek(ptr, 10 * MiB) == data
+    allocator.free(other)
+
+
+@pytest.mark.parametrize("function", [tus.pause, tus.resume, tus.is_paused])
+def test_unknown_tag(process, function) -> None:
+    _, allocator = process
+    allocator.malloc(2 * MiB, tag="api-known")
+    with pytest.raises(InvalidArgumentError, match="unknown tag") as raised:
+        function("api-missing")
+    assert "'api-missing'" in str(raised.value)
+    assert "'api-known'" in str(raised.value)
+
+
+@pytest.mark.parametrize("tag", ["", 3])
+def test_bad_tag(process, tag) -> None:
+    for function in (tus.pause, tus.resume, tus.is_paused):
+        with pytest.raises(InvalidArgumentError, match="non-empty string"):
+            function(tag)
+    with pytest.raises(InvalidArgumentError):
+        tus.set_backup_policy(tag, retain=True)
+
+
+def test_memory_stats(process) -> None:
+    _, allocator = process
+    allocator.malloc(6 * MiB, tag="api-stats", cpu_backup=True)
+    tus.pause("api-stats")
+    stats = tus.memory_stats()
+    assert list(stats) == sorted(stats)
+    assert stats == allocator.stats()
+    assert stats["paused_bytes.tag:api-stats.current"] == 6 * MiB
+    assert stats["cpu_backup_bytes.all.current"] == 6 * MiB
+    assert tus.memory_stats(0) == stats
+    tus.resume("api-stats")
+
+
+def test_memory_summary(process) -> None:
+    _, allocator = process
+    allocator.malloc(6 * MiB, tag="api-w", cpu_backup=True)
+    allocator.malloc(4 * MiB, tag="api-kv")
+    allocator.malloc(1000, tag="api-plain", mode="device")
+    tus.pause("api-w")
+    summary = tus.memory_summary()
+    assert "driver: sim" in summary
+    rows = {line.split()[0]: line for line in summary.splitlines()[3:] if line}
+    for scope in ("all", "vmm", "device", "tag:api-w", "tag:api-kv", "tag:api-plain"):
+        assert scope in rows, summary
+    assert "6.00 MiB" in rows["tag:api-w"]
+    assert "free of 256.00 MiB" in summary
+    assert "host pool:" in summary
+    tus.resume("api-w")
+
+
+def test_reset_peak_memory_stats(process) -> None:
+    _, allocator = process
+    kept = allocator.malloc(4 * MiB, tag="api-peak")
+    allocator.free(allocator.malloc(8 * MiB, tag="api-peak"))
+    assert tus.memory_stats()["allocated_bytes.all.peak"] == 12 * MiB
+    tus.reset_peak_memory_stats()
+    assert tus.memory_stats()["allocated_bytes.all.peak"] == 4 * MiB
+    allocator.free(kept)
+
+
+def test_set_backup_policy_retain(process, fill) -> None:
+    _, allocator = process
+    ptr = allocator.malloc(6 * MiB, tag="api-retain", cpu_backup=True)
+    tus.set_backup_policy("api-retain", retain=True)
+    assert allocator.backup_policy("api-retain") == {"retain": True, "pinned": True}
+    data = fill(ptr, 6 * MiB)
+    tus.pause("api-retain")
+    tus.resume("api-retain")
+    host, available = allocator.backup_of(ptr)
+    assert available == 6 * MiB
+    assert ctypes.string_at(host, 6 * MiB) == data
+
+
+def test_set_backup_policy_pageable_and_release_host_cache(process, fill, peek) -> None:
+    driver, allocator = process
+    pinned = allocator.malloc(6 * MiB, tag="api-pinned", cpu_backup=True)
+    pageable = allocator.malloc(4 * MiB, tag="api-pageable", cpu_backup=True)
+    tus.set_backup_policy("api-pageable", pinned=False)
+    data = fill(pinned, 6 * MiB), fill(pageable, 4 * MiB)
+    tus.pause()
+    tus.resume()
+    assert (peek(pinned, 6 * MiB), peek(pageable, 4 * MiB)) == data
+    assert driver.pinned_host_bytes() == 6 * MiB  # only the pinned tag's pooled buffer
+    assert tus.release_host_cache() == 6 * MiB
+    assert driver.pinned_host_bytes() == 0
+    assert tus.memory_stats()["host_pool_bytes.current"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_region_needs_cuda() -> None:
+    with pytest.raises(InvalidStateError, match="needs a CUDA device"), tus.region("api-r"):
+        pass
+
+
+def test_region_argument_errors() -> None:
+    with (
+        pytest.raises(InvalidArgumentError, match="'managed' is not available"),
+        tus.region("api-r", mode="managed"),
+    ):
+        pass
+    with pytest.raises(InvalidArgumentError, match="unknown mode"), tus.region("api-r", mode="x"):
+        pass
+    with pytest.raises(InvalidArgumentError, match="non-empty string"), tus.region(""):
+        pass
+
+
+def test_get_cpu_backup_rejects_non_cuda_tensors() -> None:
+    with pytest.raises(InvalidArgumentError, match="expects a CUDA tensor"):
+        tus.get_cpu_backup(torch.zeros(4))
+    with pytest.raises(InvalidArgumentError, match="expects a tensor"):
+        tus.get_cpu_backup(b"bytes")
+
+
+def test_exception_classes() -> None:
+    assert issubclass(tus.OutOfMemoryError, torch.OutOfMemoryError)
+    assert issubclass(tus.InvalidArgumentError, ValueError)
+    for cls in (OutOfMemoryError, CudaError, InvalidArgumentError, InvalidStateError):
+        assert issubclass(cls, TusError)
+        assert issubclass(cls, RuntimeError)
+        assert getattr(tus, cls.__name__) is cls
+
+
+def test_native_errors_arrive_as_public_classes(make_pair) -> None:
+    driver, allocator = make_pair(8 * MiB)
+    with pytest.raises(OutOfMemoryError):
+        allocator.malloc(16 * MiB)
+    driver.fail_on("create_physical", 1)
+    with pytest.raises(CudaError):
+        allocator.malloc(2 * MiB)
+    with pytest.raises(InvalidArgumentError):
+        allocator.pause("missing")
+    allocator.malloc(2 * MiB, tag="t")
+    allocator.enter_region("t")
+    with pytest.raises(InvalidStateError):
+        allocator.pause("t")
+    allocator.exit_region("t")
+
+
+def test_environment_driver_in_a_fresh_process() -> None:
+    # Without install_driver, TUS_DRIVER=sim picks the simulated driver for the registry.
+    code = (
+        "import torch_uvm_saver as tus\n"
+        "from torch_uvm_saver import _C\n"
+        "a = _C.get_allocator(0)\n"
+        "p = a.malloc(6 << 20, tag='env', cpu_backup=True)\n"
+        "print(a.driver.name, _C.get_driver().capacity, tus.pause('env'), tus.resume('env'))\n"
+    )
+    env = dict(os.environ, TUS_DRIVER="sim", TUS_SIM_CAPACITY=str(64 * MiB))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["sim", str(64 * MiB), str(6 * MiB), str(6 * MiB)]
