@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include "allocator/message.h"
 
 #include "allocator/errors.h"
@@ -13,7 +14,8 @@ namespace tus {
 
 namespace {
 
-constexpr int kInvalidValue = 1;  // CUDA_ERROR_INVALID_VALUE
+constexpr int kInvalidValue = 1;                            // CUDA_ERROR_INVALID_VALUE
+constexpr int kNoDevice = std::numeric_limits<int>::min();  // calls about no device
 
 [[noreturn]] void fail(const char* call, int code, const std::string& why) {
   Message message;
@@ -108,7 +110,7 @@ void SimDriver::enter_locked(const char* call, int device) {
     faults_.erase(it);
     fail(call, code, "injected fault");
   }
-  if (device >= 0) check_device_locked(device);
+  if (device != kNoDevice) check_device_locked(device);
 }
 
 void SimDriver::charge_locked(int device, std::size_t size, const char* call) {
@@ -124,7 +126,7 @@ void SimDriver::charge_locked(int device, std::size_t size, const char* call) {
 
 int SimDriver::device_count() {
   std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("device_count", -1);
+  enter_locked("device_count", kNoDevice);
   return device_count_;
 }
 

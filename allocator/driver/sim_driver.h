@@ -97,7 +97,8 @@ class SimDriver final : public Driver {
     int error_code;
   };
 
-  // Counts the call, fires a pending fault, validates `device`. Caller holds mutex_.
+  // Counts the call, fires a pending fault, validates `device` (every value but the "no device"
+  // marker of device_count, negative ones included). Caller holds mutex_.
   void enter_locked(const char* call, int device);
   void check_device_locked(int device) const;
   void charge_locked(int device, std::size_t size, const char* call);

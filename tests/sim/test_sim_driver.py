@@ -1,18 +1,19 @@
 """SimDriver contract (Note [Simulated VMM]): capacity enforced and reported, physical memory
-given back for real on release after unmap, the mapping rules (through a small C++ harness, since
-_C does not expose map/unmap), touching paused memory faults (in a child process), and fault
-injection (fail_on, clear_faults, call_counts, the "*" wildcard).
+given back for real on release after unmap, the mapping rules (driven through the raw primitives
+that _C.Driver exposes: reserve_address, create_physical, map, unmap, ...), touching paused memory
+faults (in a child process), and fault injection (fail_on, clear_faults, call_counts, the "*"
+wildcard).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,8 +22,6 @@ from torch_uvm_saver import _C
 from torch_uvm_saver.errors import CudaError, InvalidArgumentError, OutOfMemoryError
 
 MiB = 1 << 20
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 
 
 def memfd_count() -> int:
@@ -101,80 +100,236 @@ def test_physical_memory_goes_back_to_the_host(driver: _C.SimDriver, allocator) 
     assert driver.used_bytes() == 0
 
 
-@pytest.fixture(scope="module")
-def contract_lines(tmp_path_factory) -> dict[str, str]:
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to build the SimDriver contract harness")
-    binary = tmp_path_factory.mktemp("contract") / "sim_driver_contract"
-    subprocess.run(
-        [
-            compiler,
-            "-std=c++17",
-            "-O0",
-            f"-I{REPO}",
-            str(HERE / "sim_driver_contract.cpp"),
-            str(REPO / "allocator" / "driver" / "sim_driver.cpp"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        timeout=120,
+# The mapping rules, driven through the raw primitives on one 16 MiB device with a 2 MiB
+# granularity: an 8 MiB and a 4 MiB reservation, and physical handles of 2, 4 and 4 MiB.
+VMM_CAPACITY = 16 * MiB
+
+
+@dataclass
+class Vmm:
+    driver: _C.SimDriver
+    base: int  # 8 MiB reservation
+    other: int  # 4 MiB reservation
+    two: int  # 2 MiB handle
+    four: int  # 4 MiB handle
+    extra: int  # 4 MiB handle
+
+
+@pytest.fixture
+def vmm() -> Vmm:
+    driver = _C.SimDriver(VMM_CAPACITY, 1, 2 * MiB)
+    return Vmm(
+        driver=driver,
+        base=driver.reserve_address(0, 8 * MiB),
+        other=driver.reserve_address(0, 4 * MiB),
+        two=driver.create_physical(0, 2 * MiB),
+        four=driver.create_physical(0, 4 * MiB),
+        extra=driver.create_physical(0, 4 * MiB),
     )
-    output = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=60)
-    lines = {}
-    for line in output.stdout.splitlines():
-        step, _, outcome = line.partition(" ")
-        lines[step] = outcome
-    return lines
 
 
-INVALID = "CudaError 1 "
-
-CONTRACT = {
-    "reserve_alignment": "ok 0",
-    "reserve_unaligned_size": INVALID + "sim reserve_address failed: size 1048576",
-    "create_unaligned_size": INVALID + "sim create_physical failed",
-    "used_after_create": f"ok {10 * MiB}",
-    "map_outside_reservation": INVALID + "sim map failed: range is not inside one reservation",
-    "map_past_reservation_end": INVALID + "sim map failed: range is not inside one reservation",
-    "map_across_two_reservations": INVALID + "sim map failed: range is not inside one reservation",
-    "map_size_mismatch": INVALID + "sim map failed: unknown handle or size mismatch",
-    "map_first": "ok",
-    "map_inside_mapping": INVALID + "sim map failed: range is already mapped",
-    "map_overlapping_next": INVALID + "sim map failed: range is already mapped",
-    "map_adjacent": "ok",
-    "unmap_wrong_size": INVALID + "sim unmap failed: range does not match one mapping",
-    "unmap_inside_mapping": INVALID + "sim unmap failed: range does not match one mapping",
-    "unmap_unmapped": INVALID + "sim unmap failed: range does not match one mapping",
-    "free_address_with_mappings": INVALID + "sim free_address failed: the range still has mappings",
-    "mapped_ranges": "ok 2",
-    # A released handle keeps its memory while mapped; the unmap gives it back.
-    "release_while_mapped": f"ok {10 * MiB}",
-    "release_twice": INVALID + "sim release_physical failed: unknown or already released handle",
-    "unmap_released": f"ok {6 * MiB}",
-    "unmap_then_release": f"ok {4 * MiB}",
-    "map_released_handle": INVALID + "sim map failed: unknown handle",
-    "release_unmapped": "ok 0",
-    "free_address": "ok 0",
-    "create_past_capacity": "OutOfMemory 2 sim create_physical failed: out of memory asking for "
-    f"{18 * MiB} bytes with {16 * MiB} of {16 * MiB} free",
-    "mem_alloc_past_capacity": "OutOfMemory 2 sim mem_alloc failed: out of memory",
-    "bad_device": "InvalidArgument 0 device 1 does not exist",
-}
+@pytest.fixture
+def mapped(vmm: Vmm) -> Vmm:
+    """``vmm`` with ``four`` mapped at [base + 2, base + 6) MiB and ``two`` right before it."""
+    vmm.driver.map(0, vmm.base + 2 * MiB, 4 * MiB, vmm.four)
+    vmm.driver.map(0, vmm.base, 2 * MiB, vmm.two)
+    return vmm
 
 
-@pytest.mark.parametrize("step", sorted(CONTRACT))
-def test_vmm_contract(contract_lines: dict[str, str], step: str) -> None:
-    assert step in contract_lines, f"the harness did not reach {step}"
-    assert contract_lines[step].startswith(CONTRACT[step])
+def invalid(call: str, why: str) -> str:
+    """Pattern of the CUDA_ERROR_INVALID_VALUE (1) message the simulated ``call`` raises."""
+    return re.escape(f"sim {call} failed: {why}") + r".* \(error 1\)$"
 
 
-def test_plain_allocation_is_charged_then_returned(contract_lines: dict[str, str]) -> None:
-    status, during, after = contract_lines["mem_alloc_and_free"].split()
-    assert status == "ok"
-    assert int(during) >= 5000
-    assert int(after) == 0
+NOT_INSIDE = invalid("map", "range is not inside one reservation")
+ALREADY_MAPPED = invalid("map", "range is already mapped")
+NO_SUCH_MAPPING = invalid("unmap", "range does not match one mapping")
+
+
+def test_reservations_are_aligned_to_the_granularity(vmm: Vmm) -> None:
+    assert vmm.base % (2 * MiB) == 0
+    assert vmm.other % (2 * MiB) == 0
+
+
+def test_physical_handles_are_charged_on_create(vmm: Vmm) -> None:
+    assert vmm.driver.used_bytes() == 10 * MiB
+    assert vmm.driver.mem_get_info(0) == (6 * MiB, VMM_CAPACITY)
+    assert vmm.driver.mapped_ranges() == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        pytest.param(
+            lambda v: v.driver.reserve_address(0, MiB),
+            invalid("reserve_address", f"size {MiB} is not a multiple of the granularity"),
+            id="reserve_unaligned_size",
+        ),
+        pytest.param(
+            lambda v: v.driver.reserve_address(0, 0),
+            invalid("reserve_address", "size 0 is not a multiple of the granularity"),
+            id="reserve_zero_size",
+        ),
+        pytest.param(
+            lambda v: v.driver.create_physical(0, MiB),
+            invalid("create_physical", "size is not a multiple of the granularity"),
+            id="create_unaligned_size",
+        ),
+        pytest.param(
+            lambda v: v.driver.create_physical(0, 0),
+            invalid("create_physical", "size is not a multiple of the granularity"),
+            id="create_zero_size",
+        ),
+        pytest.param(
+            lambda v: v.driver.map(0, v.base + 64 * 1024 * MiB, 2 * MiB, v.two),
+            NOT_INSIDE,
+            id="map_outside_reservation",
+        ),
+        pytest.param(
+            lambda v: v.driver.map(0, v.base + 6 * MiB, 4 * MiB, v.four),
+            NOT_INSIDE,
+            id="map_past_reservation_end",
+        ),
+        pytest.param(
+            # Starts 2 MiB before `other`: inside `base` if the two happen to be adjacent, else
+            # inside no reservation; either way not inside one.
+            lambda v: v.driver.map(0, v.other - 2 * MiB, 4 * MiB, v.four),
+            NOT_INSIDE,
+            id="map_across_two_reservations",
+        ),
+        pytest.param(
+            lambda v: v.driver.map(0, v.base, 4 * MiB, v.two),
+            invalid("map", "unknown handle or size mismatch"),
+            id="map_size_mismatch",
+        ),
+    ],
+)
+def test_rejected_before_anything_is_mapped(vmm: Vmm, call, pattern: str) -> None:
+    with pytest.raises(CudaError, match=pattern):
+        call(vmm)
+    assert vmm.driver.used_bytes() == 10 * MiB  # nothing charged or mapped by the failure
+    assert vmm.driver.mapped_ranges() == 0
+
+
+def test_map_rejects_overlaps_and_allows_adjacent(vmm: Vmm) -> None:
+    driver = vmm.driver
+    driver.map(0, vmm.base + 2 * MiB, 4 * MiB, vmm.four)
+    with pytest.raises(CudaError, match=ALREADY_MAPPED):
+        driver.map(0, vmm.base + 4 * MiB, 2 * MiB, vmm.two)  # inside the mapping
+    with pytest.raises(CudaError, match=ALREADY_MAPPED):
+        driver.map(0, vmm.base, 4 * MiB, vmm.extra)  # runs into the mapping from below
+    assert driver.mapped_ranges() == 1
+    driver.map(0, vmm.base, 2 * MiB, vmm.two)  # ends exactly where the mapping starts
+    assert driver.mapped_ranges() == 2
+    assert driver.used_bytes() == 10 * MiB  # mapping charges nothing more
+
+
+def test_set_access_needs_one_whole_mapping(mapped: Vmm) -> None:
+    mapped.driver.set_access(0, mapped.base + 2 * MiB, 4 * MiB)
+    with pytest.raises(CudaError, match=invalid("set_access", "range does not match one mapping")):
+        mapped.driver.set_access(0, mapped.base, 6 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("offset", "size"),
+    [
+        pytest.param(2 * MiB, 2 * MiB, id="wrong_size"),
+        pytest.param(4 * MiB, 2 * MiB, id="inside_mapping"),
+        pytest.param(6 * MiB, 2 * MiB, id="unmapped"),
+    ],
+)
+def test_unmap_must_match_one_mapping(mapped: Vmm, offset: int, size: int) -> None:
+    with pytest.raises(CudaError, match=NO_SUCH_MAPPING):
+        mapped.driver.unmap(0, mapped.base + offset, size)
+    assert mapped.driver.mapped_ranges() == 2
+
+
+def test_free_address_refuses_a_range_with_mappings(mapped: Vmm) -> None:
+    with pytest.raises(CudaError, match=invalid("free_address", "the range still has mappings")):
+        mapped.driver.free_address(0, mapped.base, 8 * MiB)
+    assert mapped.driver.mapped_ranges() == 2
+
+
+def test_release_while_mapped_keeps_memory_until_unmap(mapped: Vmm) -> None:
+    driver = mapped.driver
+    driver.release_physical(0, mapped.four)
+    assert driver.used_bytes() == 10 * MiB  # still mapped, so still charged
+    with pytest.raises(
+        CudaError, match=invalid("release_physical", "unknown or already released handle")
+    ):
+        driver.release_physical(0, mapped.four)
+    driver.unmap(0, mapped.base + 2 * MiB, 4 * MiB)
+    assert driver.used_bytes() == 6 * MiB  # the last unmap gave it back
+    driver.unmap(0, mapped.base, 2 * MiB)
+    assert driver.used_bytes() == 6 * MiB  # unmapped but not released: still charged
+    driver.release_physical(0, mapped.two)
+    assert driver.used_bytes() == 4 * MiB
+    with pytest.raises(CudaError, match=invalid("map", "unknown handle or size mismatch")):
+        driver.map(0, mapped.base, 2 * MiB, mapped.two)
+    driver.release_physical(0, mapped.extra)  # never mapped: given back at once
+    assert driver.used_bytes() == 0
+    driver.free_address(0, mapped.base, 8 * MiB)
+    driver.free_address(0, mapped.other, 4 * MiB)
+    assert driver.mapped_ranges() == 0
+    assert driver.mem_get_info(0) == (VMM_CAPACITY, VMM_CAPACITY)
+
+
+def test_create_physical_past_capacity() -> None:
+    driver = _C.SimDriver(VMM_CAPACITY, 1, 2 * MiB)
+    message = (
+        f"sim create_physical failed: out of memory asking for {18 * MiB} bytes with "
+        f"{16 * MiB} of {16 * MiB} free on device 0 (error 2)"
+    )
+    with pytest.raises(OutOfMemoryError, match=re.escape(message)) as raised:
+        driver.create_physical(0, 18 * MiB)
+    assert isinstance(raised.value, torch.OutOfMemoryError)
+    assert driver.used_bytes() == 0
+    handle = driver.create_physical(0, 16 * MiB)  # exactly the capacity fits
+    with pytest.raises(OutOfMemoryError, match=f"with 0 of {16 * MiB} free"):
+        driver.create_physical(0, 2 * MiB)
+    driver.release_physical(0, handle)
+    assert driver.used_bytes() == 0
+
+
+def test_mem_alloc_past_capacity() -> None:
+    driver = _C.SimDriver(VMM_CAPACITY, 1, 2 * MiB)
+    with pytest.raises(
+        OutOfMemoryError, match=r"^sim mem_alloc failed: out of memory .*\(error 2\)$"
+    ):
+        driver.mem_alloc(0, 32 * MiB)
+    assert driver.used_bytes() == 0
+
+
+def test_plain_allocation_is_charged_then_returned() -> None:
+    driver = _C.SimDriver(VMM_CAPACITY, 1, 2 * MiB)
+    ptr = driver.mem_alloc(0, 5000)
+    charged = driver.used_bytes()
+    assert 5000 <= charged < 5000 + os.sysconf("SC_PAGE_SIZE")  # rounded up to whole pages
+    driver.mem_free(0, ptr)
+    assert driver.used_bytes() == 0
+
+
+@pytest.mark.parametrize("device", [1, -1])
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda d, n: d.reserve_address(n, 2 * MiB), id="reserve_address"),
+        pytest.param(lambda d, n: d.free_address(n, 0, 2 * MiB), id="free_address"),
+        pytest.param(lambda d, n: d.create_physical(n, 2 * MiB), id="create_physical"),
+        pytest.param(lambda d, n: d.release_physical(n, 1), id="release_physical"),
+        pytest.param(lambda d, n: d.map(n, 0, 2 * MiB, 1), id="map"),
+        pytest.param(lambda d, n: d.unmap(n, 0, 2 * MiB), id="unmap"),
+        pytest.param(lambda d, n: d.set_access(n, 0, 2 * MiB), id="set_access"),
+        pytest.param(lambda d, n: d.mem_alloc(n, 5000), id="mem_alloc"),
+        pytest.param(lambda d, n: d.mem_free(n, 0), id="mem_free"),
+        pytest.param(lambda d, n: d.mem_get_info(n), id="mem_get_info"),
+        pytest.param(lambda d, n: d.granularity(n), id="granularity"),
+    ],
+)
+def test_primitives_reject_an_unknown_device(driver: _C.SimDriver, call, device: int) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"^device {device} does not exist"):
+        call(driver, device)
+    assert driver.used_bytes() == 0
 
 
 def test_touching_paused_memory_faults() -> None:
