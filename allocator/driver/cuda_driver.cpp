@@ -14,20 +14,39 @@ namespace tus {
 // (the toolkit's PFN_<name>_v<version> typedefs). cuGetProcAddress is asked for exactly that
 // version, so a newer driver that changed a signature (cuCtxSynchronize gained a context argument
 // in CUDA 13) still hands out the one this code calls.
-#define TUS_CUDA_ENTRY_POINTS(X)                                                                 \
-  X(cuInit, 2000)                                                                                \
-  X(cuGetErrorName, 6000)                                                                        \
-  X(cuDeviceGet, 2000) X(cuDeviceGetCount, 2000) X(cuDevicePrimaryCtxRetain, 7000)               \
-      X(cuCtxGetCurrent, 4000) X(cuCtxSetCurrent, 4000) X(cuCtxSynchronize, 2000)                \
-          X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020)                          \
-              X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)     \
-                  X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020)                 \
-                      X(cuMemSetAccess, 10020) X(cuMemAlloc, 3020) X(cuMemFree, 3020)            \
-                          X(cuMemHostAlloc, 2020) X(cuMemFreeHost, 2000) X(cuStreamCreate, 2000) \
-                              X(cuStreamDestroy, 4000) X(cuStreamSynchronize, 2000)              \
-                                  X(cuEventCreate, 2000) X(cuEventDestroy, 4000)                 \
-                                      X(cuEventRecord, 2000) X(cuEventSynchronize, 2000)         \
-                                          X(cuMemcpyDtoHAsync, 3020) X(cuMemcpyHtoDAsync, 3020)
+// clang-format off
+#define TUS_CUDA_ENTRY_POINTS(X)           \
+  X(cuInit, 2000)                          \
+  X(cuGetErrorName, 6000)                  \
+  X(cuDeviceGet, 2000)                     \
+  X(cuDeviceGetCount, 2000)                \
+  X(cuDevicePrimaryCtxRetain, 7000)        \
+  X(cuCtxGetCurrent, 4000)                 \
+  X(cuCtxSetCurrent, 4000)                 \
+  X(cuCtxSynchronize, 2000)                \
+  X(cuMemGetInfo, 3020)                    \
+  X(cuMemGetAllocationGranularity, 10020)  \
+  X(cuMemAddressReserve, 10020)            \
+  X(cuMemAddressFree, 10020)               \
+  X(cuMemCreate, 10020)                    \
+  X(cuMemRelease, 10020)                   \
+  X(cuMemMap, 10020)                       \
+  X(cuMemUnmap, 10020)                     \
+  X(cuMemSetAccess, 10020)                 \
+  X(cuMemAlloc, 3020)                      \
+  X(cuMemFree, 3020)                       \
+  X(cuMemHostAlloc, 2020)                  \
+  X(cuMemFreeHost, 2000)                   \
+  X(cuStreamCreate, 2000)                  \
+  X(cuStreamDestroy, 4000)                 \
+  X(cuStreamSynchronize, 2000)             \
+  X(cuEventCreate, 2000)                   \
+  X(cuEventDestroy, 4000)                  \
+  X(cuEventRecord, 2000)                   \
+  X(cuEventSynchronize, 2000)              \
+  X(cuMemcpyDtoHAsync, 3020)               \
+  X(cuMemcpyHtoDAsync, 3020)
+// clang-format on
 
 struct CudaApi {
 #define TUS_DECLARE_ENTRY(fn, version) PFN_##fn##_v##version fn = nullptr;
