@@ -18,6 +18,48 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 std::string quoted(const std::string& text) { return "'" + text + "'"; }
 
+Footprint footprint(const Segment& segment) {
+  Footprint print;
+  const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
+  print.allocated = static_cast<std::int64_t>(segment.size);
+  print.requested = static_cast<std::int64_t>(segment.requested);
+  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
+  print.active = resident;
+  print.paused = print.allocated - resident;
+  print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
+  print.segments = 1;
+  return print;
+}
+
+// What a pause or resume did to the segments it touched. The stats follow from the footprints,
+// taken before and after whether or not the operation threw (a failure can leave some chunks
+// done and others not).
+struct ResidencyChange {
+  std::vector<Footprint> before;
+  std::vector<Footprint> after;
+  std::exception_ptr error;
+  double seconds = 0.0;
+};
+
+template <typename Operation>
+ResidencyChange change_residency(StatsBook& stats, const std::string& tag,
+                                 const std::vector<Segment*>& segments, Operation operation) {
+  ResidencyChange change;
+  const auto start = std::chrono::steady_clock::now();
+  for (const Segment* segment : segments) change.before.push_back(footprint(*segment));
+  try {
+    operation();
+  } catch (...) {
+    change.error = std::current_exception();
+  }
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    change.after.push_back(footprint(*segments[i]));
+    stats.apply(Mode::kVmm, tag, change.before[i], change.after[i]);
+  }
+  change.seconds = seconds_since(start);
+  return change;
+}
+
 }  // namespace
 
 Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOptions options)
@@ -42,19 +84,6 @@ Allocator::~Allocator() {
 Backing& Allocator::backing_for(Mode mode) {
   if (mode == Mode::kDevice) return device_backing_;
   return vmm_;
-}
-
-Footprint Allocator::footprint(const Segment& segment) {
-  Footprint print;
-  const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
-  print.allocated = static_cast<std::int64_t>(segment.size);
-  print.requested = static_cast<std::int64_t>(segment.requested);
-  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
-  print.active = resident;
-  print.paused = print.allocated - resident;
-  print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
-  print.segments = 1;
-  return print;
 }
 
 std::string Allocator::memory_report_locked() {
@@ -216,32 +245,24 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     state.paused = true;
     return 0;
   }
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<Footprint> before;
-  for (const Segment* segment : segments) before.push_back(footprint(*segment));
-  std::exception_ptr error;
-  try {
-    pauser_.pause(segments, vmm_, state.policy);
-  } catch (...) {
-    error = std::current_exception();
-  }
+  const ResidencyChange change =
+      change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, vmm_, state.policy); });
+  const std::exception_ptr& error = change.error;
   std::size_t released = 0;
   std::size_t copied = 0;
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    const Footprint after = footprint(*segments[i]);
-    stats_.apply(Mode::kVmm, tag, before[i], after);
-    released += static_cast<std::size_t>(before[i].reserved - after.reserved);
-    // Only chunks that were resident get copied (stale ones are released without a copy).
-    if (segments[i]->cpu_backup)
-      copied += static_cast<std::size_t>(before[i].active - after.active);
-  }
   bool any_paused = false;
-  for (const Segment* segment : segments) any_paused = any_paused || segment->paused();
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    released += static_cast<std::size_t>(change.before[i].reserved - change.after[i].reserved);
+    // Only chunks that were resident get copied (stale ones are released without a copy).
+    if (segments[i]->cpu_backup) {
+      copied += static_cast<std::size_t>(change.before[i].active - change.after[i].active);
+    }
+    any_paused = any_paused || segments[i]->paused();
+  }
   state.paused = !error || any_paused;
-  const double elapsed = seconds_since(start);
   stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
     if (released > 0) ++scope.num_pauses;
-    scope.pause_seconds += elapsed;
+    scope.pause_seconds += change.seconds;
     scope.pause_copy_bytes += static_cast<std::int64_t>(copied);
   });
   if (error) {
@@ -271,19 +292,9 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     state.paused = false;
     return 0;
   }
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<Footprint> before;
-  for (const Segment* segment : segments) before.push_back(footprint(*segment));
-  std::exception_ptr error;
-  try {
-    pauser_.resume(segments, vmm_, state.policy);
-  } catch (...) {
-    error = std::current_exception();
-  }
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    stats_.apply(Mode::kVmm, tag, before[i], footprint(*segments[i]));
-  }
-  const double elapsed = seconds_since(start);
+  const ResidencyChange change = change_residency(
+      stats_, tag, segments, [&] { pauser_.resume(segments, vmm_, state.policy); });
+  const std::exception_ptr& error = change.error;
   if (error) {
     std::string suffix = " (nothing was resumed; the backups are intact";
     try {
@@ -300,7 +311,7 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
   state.paused = false;
   stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
     ++scope.num_resumes;
-    scope.resume_seconds += elapsed;
+    scope.resume_seconds += change.seconds;
     scope.resume_copy_bytes += static_cast<std::int64_t>(to_copy);
   });
   return needed;

@@ -105,7 +105,6 @@ class Allocator {
   };
 
   Backing& backing_for(Mode mode);
-  static Footprint footprint(const Segment& segment);
   TagState& known_tag_locked(const char* call, const std::string& tag);
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
