@@ -146,6 +146,20 @@ def test_freed_memory_can_be_allocated_again(driver, allocator, fill, peek) -> N
         assert driver.used_bytes() == 0
 
 
+def test_address_ranges_are_reused_without_holding_memory(driver, allocator) -> None:
+    first = allocator.malloc(6 * MiB)
+    allocator.free(first)
+    assert driver.used_bytes() == 0  # a cached reservation holds no memory
+    driver.reset_call_counts()
+    again = allocator.malloc(6 * MiB)
+    assert again == first  # the reserved range of the same size came back
+    assert driver.call_counts().get("reserve_address", 0) == 0
+    other = allocator.malloc(8 * MiB)  # a size not cached needs a new reservation
+    assert driver.call_counts()["reserve_address"] == 1
+    allocator.free(again)
+    allocator.free(other)
+
+
 def test_device_mode_allocates_but_cannot_pause(driver, allocator, fill, peek) -> None:
     ptr = allocator.malloc(3 * MiB, tag="plain", mode="device")
     data = fill(ptr, 3 * MiB)
