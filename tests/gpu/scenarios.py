@@ -34,6 +34,17 @@ def random_tensor(shape, dtype):
     return torch.randint(-(2**31), 2**31 - 1, shape, device="cuda", dtype=torch.int64).to(dtype)
 
 
+def expect_error(error_type: type, call: Callable[[], object], fragment: str = "") -> None:
+    """Asserts `call()` raises `error_type` whose message contains `fragment`."""
+    try:
+        call()
+    except error_type as error:
+        print(f"raised as expected: {error}")
+        assert fragment in str(error), error
+    else:
+        raise AssertionError(f"{call} should have raised {error_type.__name__}")
+
+
 def same_bits(a, b) -> bool:
     import torch
 
@@ -239,27 +250,17 @@ def pausing_while_the_region_is_open_is_refused() -> None:
 
     import torch_uvm_saver as tus
 
-    with tus.region("open"):
-        t = torch.empty(MiB, device="cuda")
-        try:
-            tus.pause("open")
-        except tus.InvalidStateError as error:
-            print(f"refused: {error}")
-        else:
-            raise AssertionError("pause inside the open region must be refused")
-    tus.pause("open")
-    try:
+    def enter_open_region() -> None:
         with tus.region("open"):
             pass
-    except tus.InvalidStateError as error:
-        print(f"refused: {error}")
-    else:
-        raise AssertionError("a region of a paused tag must be refused")
+
+    with tus.region("open"):
+        t = torch.empty(MiB, device="cuda")
+        expect_error(tus.InvalidStateError, lambda: tus.pause("open"), "region of this tag is open")
+    tus.pause("open")
+    expect_error(tus.InvalidStateError, enter_open_region, "the tag is paused")
     tus.resume("open")
-    try:
-        tus.pause("no-such-tag")
-    except tus.InvalidArgumentError as error:
-        assert "unknown tag" in str(error)
+    expect_error(tus.InvalidArgumentError, lambda: tus.pause("no-such-tag"), "unknown tag")
     del t
 
 
@@ -272,12 +273,7 @@ def device_mode_is_the_baseline_and_cannot_pause() -> None:
     with tus.region("plain", mode="device"):
         t = torch.ones(32 * MiB, device="cuda")
     assert tus.memory_stats()["allocated_bytes.device.current"] >= 128 * MiB
-    try:
-        tus.pause("plain")
-    except tus.InvalidArgumentError as error:
-        assert "device" in str(error)
-    else:
-        raise AssertionError("device-mode memory must refuse to pause")
+    expect_error(tus.InvalidArgumentError, lambda: tus.pause("plain"), "'device'")
     assert float(t.sum()) == 32 * MiB
 
 
