@@ -5,6 +5,7 @@
 
 #include "allocator/errors.h"
 #include "allocator/log.h"
+#include "allocator/stats/segment_footprint.h"
 
 namespace tus {
 
@@ -17,19 +18,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 std::string quoted(const std::string& text) { return "'" + text + "'"; }
-
-Footprint footprint(const Segment& segment) {
-  Footprint print;
-  const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
-  print.allocated = static_cast<std::int64_t>(segment.size);
-  print.requested = static_cast<std::int64_t>(segment.requested);
-  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
-  print.active = resident;
-  print.paused = print.allocated - resident;
-  print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
-  print.segments = 1;
-  return print;
-}
 
 // What a pause or resume did to the segments it touched. The stats follow from the footprints,
 // taken before and after whether or not the operation threw (a failure can leave some chunks
@@ -67,9 +55,12 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       device_(device),
       vmm_(*driver_, device, options.chunk_bytes),
       device_backing_(*driver_, device),
+      managed_(*driver_, device),
       host_buffers_(*driver_, device),
       copies_(*driver_, device),
-      pauser_(*driver_, device, copies_, host_buffers_) {
+      pauser_(*driver_, device, copies_, host_buffers_),
+      managed_residency_(*driver_, device, managed_, stats_),
+      blocks_(*driver_, device, *this) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
 }
 
@@ -83,6 +74,7 @@ Allocator::~Allocator() {
 
 Backing& Allocator::backing_for(Mode mode) {
   if (mode == Mode::kDevice) return device_backing_;
+  if (mode == Mode::kManaged) return managed_;
   return vmm_;
 }
 
@@ -103,8 +95,13 @@ std::string Allocator::memory_report_locked() {
   return report.str();
 }
 
-DevicePtr Allocator::malloc(std::size_t size, StreamHandle, const RegionConfig& region) {
+DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
+  return allocate_segment_locked(size, stream, region).ptr;
+}
+
+Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle stream,
+                                            const RegionConfig& region) {
   Backing& backing = backing_for(region.mode);
   auto segment = std::make_unique<Segment>();
   segment->requested = size;
@@ -112,6 +109,14 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle, const RegionConfig& 
   segment->mode = region.mode;
   segment->tag = region.tag;
   segment->cpu_backup = region.cpu_backup;
+  if (region.mode == Mode::kManaged) {
+    segment->managed.advice = region.advice;
+    // RFC-0023's default: device allocations prefer their own GPU.
+    if (region.advice.preferred.is_none()) {
+      segment->managed.advice.preferred = MemLocation::on_device(device_);
+    }
+    managed_residency_.check_guard(segment->size, region.tag);
+  }
   tags_[region.tag];  // a tag exists from its first allocation on
   try {
     backing.allocate(*segment);
@@ -124,13 +129,25 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle, const RegionConfig& 
     throw OutOfMemory(message.str());
   }
   stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment));
-  const DevicePtr ptr = segment->ptr;
-  segments_[ptr] = std::move(segment);
-  return ptr;
+  Segment& placed = *segment;
+  segments_[segment->ptr] = std::move(segment);
+  if (placed.mode == Mode::kManaged) {
+    managed_residency_.admit(placed, stream);
+    try {
+      managed_residency_.enforce_budget(managed_segments_locked(), &placed, stream);
+    } catch (const std::exception& error) {
+      log_once("budget", std::string("device budget: eviction failed: ") + error.what());
+    }
+  }
+  return placed;
 }
 
 void Allocator::free(DevicePtr ptr) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
+  free_locked(ptr);
+}
+
+void Allocator::free_locked(DevicePtr ptr) noexcept {
   auto it = segments_.find(ptr);
   if (it == segments_.end()) {
     Message message;
@@ -141,6 +158,7 @@ void Allocator::free(DevicePtr ptr) noexcept {
   }
   Segment& segment = *it->second;
   const Footprint before = footprint(segment);
+  if (segment.mode == Mode::kManaged) managed_residency_.forget(segment);
   try {
     backing_for(segment.mode).deallocate(segment);
   } catch (const CudaError& error) {
@@ -155,6 +173,157 @@ void Allocator::free(DevicePtr ptr) noexcept {
   host_buffers_.release(segment.backup);
   stats_.apply(segment.mode, segment.tag, before, Footprint{});
   segments_.erase(it);
+}
+
+Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
+                                     const RegionConfig& region) {
+  return allocate_segment_locked(size, stream, region);
+}
+
+void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
+
+void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
+  if (segment.mode != Mode::kManaged) return;
+  // A failure here costs placement, not correctness: the block is managed memory either way.
+  try {
+    managed_residency_.touch(segment, stream);
+    managed_residency_.enforce_budget(managed_segments_locked(), &segment, stream);
+  } catch (const std::exception& error) {
+    log_once("budget", std::string("device budget: re-admission failed: ") + error.what());
+  }
+}
+
+std::vector<Segment*> Allocator::managed_segments_locked() {
+  std::vector<Segment*> found;
+  for (auto& [ptr, segment] : segments_) {
+    if (segment->mode == Mode::kManaged) found.push_back(segment.get());
+  }
+  return found;
+}
+
+Segment* Allocator::segment_containing_locked(DevicePtr ptr) {
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) return nullptr;
+  --it;
+  return it->second->contains(ptr) ? it->second.get() : nullptr;
+}
+
+DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
+                                  const RegionConfig& region) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t misses = blocks_.counters().cache_misses;
+  const std::size_t retries = blocks_.counters().alloc_retries;
+  std::size_t bytes = 0;
+  const DevicePtr ptr = blocks_.malloc(size, stream, region, &bytes);
+  const auto new_misses = static_cast<std::int64_t>(blocks_.counters().cache_misses - misses);
+  const auto new_retries = static_cast<std::int64_t>(blocks_.counters().alloc_retries - retries);
+  stats_.for_scopes(region.mode, region.tag, [&](ScopeStats& scope) {
+    scope.block_bytes.change(static_cast<std::int64_t>(bytes));
+    scope.num_block_cache_misses += new_misses;
+    scope.num_alloc_retries += new_retries;
+  });
+  return ptr;
+}
+
+bool Allocator::block_free(DevicePtr ptr) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t bytes = 0;
+  const Segment* segment = nullptr;
+  if (!blocks_.free(ptr, &bytes, &segment)) return false;
+  stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
+    scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
+  });
+  return true;
+}
+
+void Allocator::record_stream(DevicePtr ptr, StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  blocks_.record_stream(ptr, stream);
+}
+
+std::size_t Allocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return blocks_.release_free_segments();
+}
+
+std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
+                                StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (to.is_none()) TUS_THROW(InvalidArgument, "prefetch needs a destination (cpu or a device)");
+  Segment* segment = segment_containing_locked(ptr);
+  if (segment != nullptr && segment->mode != Mode::kManaged) {
+    TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is "
+                                            << mode_name(segment->mode)
+                                            << " memory, not managed memory");
+  }
+  if (segment != nullptr && ptr + size > segment->ptr + segment->size) {
+    TUS_THROW(InvalidArgument, "prefetch: the range of " << size << " bytes at " << hex_address(ptr)
+                                                         << " runs past its allocation");
+  }
+  if (segment == nullptr && !driver_->is_managed(device_, ptr)) {
+    TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is not managed memory");
+  }
+  const std::size_t scheduled = managed_residency_.prefetch(segment, ptr, size, to, stream);
+  if (segment != nullptr && to.kind == MemLocation::Kind::kDevice) {
+    managed_residency_.enforce_budget(managed_segments_locked(), segment, stream);
+  }
+  return scheduled;
+}
+
+void Allocator::advise(DevicePtr ptr, std::size_t size, Advice advice, MemLocation location) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  driver_->mem_advise(device_, ptr, size, advice, location);
+  // Advice on a whole segment of ours becomes its own: the budget restores it on re-admission.
+  Segment* segment = segment_containing_locked(ptr);
+  if (segment == nullptr || segment->ptr != ptr || size < segment->size) return;
+  ManagedAdvice& own = segment->managed.advice;
+  switch (advice) {
+    case Advice::kSetPreferredLocation:
+      own.preferred = location;
+      break;
+    case Advice::kUnsetPreferredLocation:
+      own.preferred = MemLocation::none();
+      break;
+    case Advice::kSetAccessedBy:
+      own.accessed_by = location;
+      break;
+    case Advice::kUnsetAccessedBy:
+      own.accessed_by.reset();
+      break;
+    case Advice::kSetReadMostly:
+      own.read_mostly = true;
+      break;
+    case Advice::kUnsetReadMostly:
+      own.read_mostly = false;
+      break;
+  }
+}
+
+RangeAttributes Allocator::range_attributes(DevicePtr ptr, std::size_t size) {
+  return driver_->range_attributes(device_, ptr, size);
+}
+
+bool Allocator::is_managed(DevicePtr ptr) { return driver_->is_managed(device_, ptr); }
+
+void Allocator::set_device_budget(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  managed_residency_.set_budget(bytes);
+  managed_residency_.enforce_budget(managed_segments_locked(), nullptr, nullptr);
+}
+
+std::size_t Allocator::device_budget() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return managed_residency_.budget();
+}
+
+void Allocator::set_managed_limit(std::optional<std::size_t> bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  managed_residency_.set_limit(bytes);
+}
+
+std::optional<std::size_t> Allocator::managed_limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return managed_residency_.limit();
 }
 
 void Allocator::enter_region(const RegionConfig& region) {
@@ -205,17 +374,20 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (tag) {
     check_pausable_locked("pause", *tag);
-    if (!segments_of_locked(*tag, Mode::kDevice).empty()) {
+    for (Mode other : {Mode::kDevice, Mode::kManaged}) {
+      if (segments_of_locked(*tag, other).empty()) continue;
       TUS_THROW(InvalidArgument, "pause(" << quoted(*tag) << "): the tag holds memory of mode "
-                                          << "'device', which cannot pause; allocate it with "
-                                             "mode='vmm' to pause it");
+                                          << quoted(mode_name(other))
+                                          << ", which cannot pause; allocate it with mode='vmm' "
+                                             "to pause it");
     }
     return pause_tag_locked(*tag);
   }
-  // Every tag that pause(tag) would accept: tags holding `device` memory cannot pause.
+  // Every tag that pause(tag) would accept: tags holding `device` or `managed` memory cannot.
   std::vector<std::string> pausable;
   for (const auto& [name, state] : tags_) {
     if (!segments_of_locked(name, Mode::kDevice).empty()) continue;
+    if (!segments_of_locked(name, Mode::kManaged).empty()) continue;
     check_pausable_locked("pause", name);
     pausable.push_back(name);
   }
@@ -372,14 +544,17 @@ std::vector<SegmentInfo> Allocator::segments() const {
   return infos;
 }
 
-StatsDict Allocator::stats() const {
+StatsDict Allocator::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
+  managed_residency_.collect_timings(false);
   StatsDict out;
   stats_.add_to(out);
   out["host_pool_bytes.current"] = static_cast<std::int64_t>(host_buffers_.pinned_bytes());
   out["host_pool_cached_bytes.current"] = static_cast<std::int64_t>(host_buffers_.cached_bytes());
   out["host_pool_hits"] = static_cast<std::int64_t>(host_buffers_.hits());
   out["host_pool_misses"] = static_cast<std::int64_t>(host_buffers_.misses());
+  out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
+  out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
   return out;
 }
 

@@ -3,9 +3,14 @@
 //
 // The algorithm, in short:
 //  - malloc(size, region) picks the backing for the region's mode (vmm: reserved address range
-//    plus physical chunks; device: cuMemAlloc), registers the segment under the region's tag and
-//    returns its address. PyTorch (torch hook mode) caches and splits segments itself, so there
-//    is no block cache here: a segment freed by PyTorch goes back to the device at once.
+//    plus physical chunks; device: cuMemAlloc; managed: cuMemAllocManaged behind the
+//    oversubscription guard), registers the segment under the region's tag and returns its
+//    address. In torch hook mode PyTorch caches and splits segments itself, so a segment it frees
+//    goes back to the device at once.
+//  - block_malloc/block_free serve the global hook mode, where PyTorch caches nothing: the
+//    BlockCache splits segments into blocks and keeps freed ones (caching/block_cache.h).
+//  - Managed segments are placed, prefetched and kept under the device budget by
+//    ManagedResidency (residency/managed_residency.h).
 //  - pause(tag) synchronizes the device, copies the tag's segments that asked for a CPU backup to
 //    pooled host buffers, and unmaps and releases their physical memory; addresses stay reserved.
 //    resume(tag) maps fresh memory at the same addresses and copies the backups back.
@@ -26,11 +31,14 @@
 #include <vector>
 
 #include "allocator/backing/device_backing.h"
+#include "allocator/backing/managed_backing.h"
 #include "allocator/backing/vmm_backing.h"
+#include "allocator/caching/block_cache.h"
 #include "allocator/driver/driver.h"
 #include "allocator/region_config.h"
 #include "allocator/residency/copy_engine.h"
 #include "allocator/residency/host_buffer_pool.h"
+#include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
 #include "allocator/segment.h"
 #include "allocator/stats/stats.h"
@@ -60,7 +68,7 @@ struct SegmentInfo {
   bool has_backup = false;
 };
 
-class Allocator {
+class Allocator final : private SegmentSource {
  public:
   Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOptions options = {});
   ~Allocator();
@@ -75,6 +83,25 @@ class Allocator {
   // Never throws: a driver error is logged once and counted in num_free_failures. Freeing a
   // paused segment releases its address range and backup; its physical memory is already gone.
   void free(DevicePtr ptr) noexcept;
+
+  // The global hook mode (block_cache.h): PyTorch's tensors, cached and split here. block_free
+  // returns false for an address that is not a live block (it is then tried as a segment).
+  DevicePtr block_malloc(std::size_t size, StreamHandle stream, const RegionConfig& region);
+  bool block_free(DevicePtr ptr) noexcept;
+  void record_stream(DevicePtr ptr, StreamHandle stream);
+  // Gives the global-mode cache's wholly free segments back; returns their bytes.
+  std::size_t empty_cache();
+
+  // Managed memory (ManagedResidency). prefetch returns the bytes it scheduled (0 when every
+  // page already sat there). Ranges of managed memory we did not allocate are passed through.
+  std::size_t prefetch(DevicePtr ptr, std::size_t size, MemLocation to, StreamHandle stream);
+  void advise(DevicePtr ptr, std::size_t size, Advice advice, MemLocation location);
+  RangeAttributes range_attributes(DevicePtr ptr, std::size_t size);
+  bool is_managed(DevicePtr ptr);
+  void set_device_budget(std::size_t bytes);
+  std::size_t device_budget() const;
+  void set_managed_limit(std::optional<std::size_t> bytes);
+  std::optional<std::size_t> managed_limit() const;
 
   // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
   void enter_region(const RegionConfig& region);
@@ -92,7 +119,7 @@ class Allocator {
   bool is_paused(const std::string& tag) const;
   std::vector<std::string> tags() const;
   std::vector<SegmentInfo> segments() const;
-  StatsDict stats() const;
+  StatsDict stats();  // also collects completed prefetch timings
   void reset_peak();
   std::size_t release_host_cache();
   MemInfo mem_get_info();
@@ -105,6 +132,16 @@ class Allocator {
   };
 
   Backing& backing_for(Mode mode);
+  Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
+                                   const RegionConfig& region);
+  void free_locked(DevicePtr ptr) noexcept;
+  Segment* segment_containing_locked(DevicePtr ptr);
+  std::vector<Segment*> managed_segments_locked();
+  // SegmentSource, for the BlockCache; called with the mutex held.
+  Segment& allocate_segment(std::size_t size, StreamHandle stream,
+                            const RegionConfig& region) override;
+  void release_segment(Segment& segment) override;
+  void reuse_segment(Segment& segment, StreamHandle stream) override;
   TagState& known_tag_locked(const char* call, const std::string& tag);
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
@@ -117,12 +154,15 @@ class Allocator {
   const int device_;
   VmmBacking vmm_;
   DeviceBacking device_backing_;
+  ManagedBacking managed_;
   HostBufferPool host_buffers_;
   CopyEngine copies_;
   PauseController pauser_;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments_;  // by base address
   std::map<std::string, TagState> tags_;
   StatsBook stats_;
+  ManagedResidency managed_residency_;
+  BlockCache blocks_;
 };
 
 }  // namespace tus

@@ -96,4 +96,19 @@ void Registry::install_driver(std::shared_ptr<Driver> driver, AllocatorOptions o
   options_ = options;
 }
 
+void Registry::enable_global_hook(const RegionConfig& default_region) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (global_hook()) {
+    if (global_default_.mode == default_region.mode && global_default_.tag == default_region.tag) {
+      return;
+    }
+    TUS_THROW(InvalidState, "the global hook is already installed with default mode '"
+                                << mode_name(global_default_.mode)
+                                << "'; it cannot change within a process");
+  }
+  global_default_ = default_region;
+  global_default_.active = true;
+  global_hook_.store(true, std::memory_order_release);
+}
+
 }  // namespace tus

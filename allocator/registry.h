@@ -38,6 +38,15 @@ class Registry {
   // Replaces the driver (tests, the simulated demo). Refused while any allocator holds memory.
   void install_driver(std::shared_ptr<Driver> driver, AllocatorOptions options = {});
 
+  // The global hook mode: PyTorch hands every CUDA allocation to the extern "C" entry points,
+  // which serve it from the allocators' block caches, in the calling thread's region or, outside
+  // regions, in `default_region`. Set once per process (PyTorch cannot swap its allocator back);
+  // setting it again with another default raises InvalidState.
+  void enable_global_hook(const RegionConfig& default_region);
+  bool global_hook() const { return global_hook_.load(std::memory_order_acquire); }
+  // Valid once global_hook() is true; never changes after that.
+  const RegionConfig& global_default() const { return global_default_; }
+
  private:
   Registry() = default;
   std::shared_ptr<Driver> driver_locked();
@@ -49,6 +58,8 @@ class Registry {
   std::array<std::atomic<Allocator*>, kMaxDevices> fast_ = {};
   // Allocators replaced by install_driver stay alive: a pointer to one may still be in use.
   std::vector<std::shared_ptr<Allocator>> retired_;
+  std::atomic<bool> global_hook_{false};
+  RegionConfig global_default_;
 };
 
 }  // namespace tus

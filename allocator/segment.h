@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "allocator/region_config.h"
 #include "allocator/residency/host_buffer.h"
 #include "allocator/types.h"
 
@@ -26,6 +27,17 @@ struct Chunk {
   bool stale = false;
 };
 
+// What the allocator knows about a managed segment's bytes. Locations are tracked per 2 MiB page
+// as our own prefetches left them (Note [Tracked residency] in managed_residency.h).
+struct ManagedState {
+  static constexpr std::size_t kPageBytes = 2 * kMiB;
+
+  ManagedAdvice advice;                  // as applied at allocation, the allocating device resolved
+  std::vector<MemLocation::Kind> pages;  // tracked location of each 2 MiB page
+  std::uint64_t last_use = 0;            // LRU tick of the device budget
+  bool evicted = false;                  // the budget moved it to the host with host-side advice
+};
+
 struct Segment {
   DevicePtr ptr = 0;
   std::size_t requested = 0;  // bytes the client asked for
@@ -35,6 +47,7 @@ struct Segment {
   bool cpu_backup = false;    // pause copies the contents to the host and resume restores them
   std::vector<Chunk> chunks;  // VMM segments only; a `device` segment is always resident
   HostBuffer backup;          // held while paused with backup, or retained after resume
+  ManagedState managed;       // mode kManaged only
 
   bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
 

@@ -12,6 +12,8 @@ const char* mode_name(Mode mode) {
       return "vmm";
     case Mode::kDevice:
       return "device";
+    case Mode::kManaged:
+      return "managed";
   }
   return "?";
 }
@@ -32,12 +34,26 @@ std::string format_bytes(std::size_t bytes) {
 Mode parse_mode(const std::string& name) {
   if (name == "vmm") return Mode::kVmm;
   if (name == "device") return Mode::kDevice;
-  if (name == "managed" || name == "lms") {
-    TUS_THROW(InvalidArgument, "mode '" << name
-                                        << "' is not available in this build yet; "
-                                           "the modes are 'vmm' and 'device'");
+  if (name == "managed") return Mode::kManaged;
+  if (name == "lms") {
+    TUS_THROW(InvalidArgument,
+              "mode 'lms' is not available in this build yet; "
+              "the modes are 'vmm', 'device' and 'managed'");
   }
-  TUS_THROW(InvalidArgument, "unknown mode '" << name << "'; the modes are 'vmm' and 'device'");
+  TUS_THROW(InvalidArgument,
+            "unknown mode '" << name << "'; the modes are 'vmm', 'device' and 'managed'");
+}
+
+std::string location_name(const MemLocation& location) {
+  switch (location.kind) {
+    case MemLocation::Kind::kDevice:
+      return "cuda:" + std::to_string(location.device);
+    case MemLocation::Kind::kHost:
+      return "cpu";
+    case MemLocation::Kind::kNone:
+      break;
+  }
+  return "none";
 }
 
 }  // namespace tus

@@ -23,8 +23,30 @@ struct MemInfo {
 };
 
 // How a region's memory is backed. The order is the order of the per-mode stats.
-enum class Mode : int { kVmm = 0, kDevice = 1 };
-constexpr int kNumModes = 2;
+enum class Mode : int { kVmm = 0, kDevice = 1, kManaged = 2 };
+constexpr int kNumModes = 3;
+
+// Where managed memory lives or should live (CUmemLocation without the NUMA variants).
+struct MemLocation {
+  enum class Kind : int { kNone = 0, kDevice = 1, kHost = 2 };
+  Kind kind = Kind::kNone;
+  int device = 0;  // meaningful for kDevice only
+
+  static MemLocation none() { return {}; }
+  static MemLocation host() { return {Kind::kHost, 0}; }
+  static MemLocation on_device(int ordinal) { return {Kind::kDevice, ordinal}; }
+  bool is_none() const { return kind == Kind::kNone; }
+  bool operator==(const MemLocation& other) const {
+    return kind == other.kind && (kind != Kind::kDevice || device == other.device);
+  }
+  bool operator!=(const MemLocation& other) const { return !(*this == other); }
+  bool operator<(const MemLocation& other) const {
+    if (kind != other.kind) return kind < other.kind;
+    return kind == Kind::kDevice && device < other.device;
+  }
+};
+// "cuda:0", "cpu", "none", for messages and the Python side.
+std::string location_name(const MemLocation& location);
 
 const char* mode_name(Mode mode);
 // "1.50 GiB", for messages.

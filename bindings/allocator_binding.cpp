@@ -9,6 +9,7 @@
 #include "allocator/allocator.h"
 #include "allocator/errors.h"
 #include "bindings/bindings.h"
+#include "bindings/region_args.h"
 
 namespace py = pybind11;
 
@@ -16,9 +17,29 @@ namespace tus::bindings {
 
 namespace {
 
-RegionConfig make_region(const std::string& tag, const std::string& mode, bool cpu_backup) {
-  if (tag.empty()) throw InvalidArgument("a tag must be a non-empty string");
-  return RegionConfig{parse_mode(mode), tag, cpu_backup};
+using Location = std::optional<std::string>;
+
+Advice parse_advice(const std::string& name) {
+  if (name == "set_read_mostly") return Advice::kSetReadMostly;
+  if (name == "unset_read_mostly") return Advice::kUnsetReadMostly;
+  if (name == "set_preferred_location") return Advice::kSetPreferredLocation;
+  if (name == "unset_preferred_location") return Advice::kUnsetPreferredLocation;
+  if (name == "set_accessed_by") return Advice::kSetAccessedBy;
+  if (name == "unset_accessed_by") return Advice::kUnsetAccessedBy;
+  TUS_THROW(InvalidArgument, "unknown advice '" << name << "'");
+}
+
+py::dict attributes_dict(const RangeAttributes& attributes) {
+  py::dict out;
+  out["preferred_location"] = location_text(attributes.preferred);
+  out["last_prefetch_location"] = location_text(attributes.last_prefetch);
+  out["read_mostly"] = attributes.read_mostly;
+  py::list accessed;
+  for (const MemLocation& location : attributes.accessed_by) {
+    accessed.append(location_name(location));
+  }
+  out["accessed_by"] = accessed;
+  return out;
 }
 
 py::dict segment_dict(const SegmentInfo& info) {
@@ -51,13 +72,82 @@ void bind_allocator(py::module_& module) {
       .def(
           "malloc",
           [](Allocator& self, std::size_t size, const std::string& tag, const std::string& mode,
-             bool cpu_backup, std::uintptr_t stream) {
-            const RegionConfig region = make_region(tag, mode, cpu_backup);
+             bool cpu_backup, std::uintptr_t stream, const Location& preferred,
+             const Location& accessed_by, bool read_mostly) {
+            const RegionConfig region =
+                make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
             py::gil_scoped_release release;
             return self.malloc(size, reinterpret_cast<StreamHandle>(stream), region);
           },
           py::arg("size"), py::arg("tag") = "default", py::arg("mode") = "vmm",
-          py::arg("cpu_backup") = false, py::arg("stream") = 0)
+          py::arg("cpu_backup") = false, py::arg("stream") = 0,
+          py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
+          py::arg("read_mostly") = false)
+      .def(
+          "block_malloc",
+          [](Allocator& self, std::size_t size, const std::string& tag, const std::string& mode,
+             bool cpu_backup, std::uintptr_t stream, const Location& preferred,
+             const Location& accessed_by, bool read_mostly) {
+            const RegionConfig region =
+                make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
+            py::gil_scoped_release release;
+            return self.block_malloc(size, reinterpret_cast<StreamHandle>(stream), region);
+          },
+          py::arg("size"), py::arg("tag") = "default", py::arg("mode") = "device",
+          py::arg("cpu_backup") = false, py::arg("stream") = 0,
+          py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
+          py::arg("read_mostly") = false,
+          "Allocate a block through the global-mode cache (what the global hook calls).")
+      .def("block_free", &Allocator::block_free, py::arg("ptr"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Return a block to the global-mode cache; False if `ptr` is not a live block.")
+      .def(
+          "record_stream",
+          [](Allocator& self, std::uintptr_t ptr, std::uintptr_t stream) {
+            self.record_stream(ptr, reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("ptr"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("empty_cache", &Allocator::empty_cache, py::call_guard<py::gil_scoped_release>(),
+           "Give the global-mode cache's wholly free segments back; returns their bytes.")
+      .def(
+          "prefetch",
+          [](Allocator& self, std::uintptr_t ptr, std::size_t size, const std::string& location,
+             std::uintptr_t stream) {
+            const MemLocation to = parse_location(location);
+            py::gil_scoped_release release;
+            return self.prefetch(ptr, size, to, reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("ptr"), py::arg("size"), py::arg("location"), py::arg("stream") = 0,
+          "Prefetch managed memory to 'cpu' or 'cuda:N'; returns the bytes scheduled.")
+      .def(
+          "advise",
+          [](Allocator& self, std::uintptr_t ptr, std::size_t size, const std::string& advice,
+             const Location& location) {
+            const Advice parsed = parse_advice(advice);
+            const MemLocation where = parse_location(location);
+            py::gil_scoped_release release;
+            self.advise(ptr, size, parsed, where);
+          },
+          py::arg("ptr"), py::arg("size"), py::arg("advice"), py::arg("location") = py::none())
+      .def(
+          "range_attributes",
+          [](Allocator& self, std::uintptr_t ptr, std::size_t size) {
+            RangeAttributes attributes;
+            {
+              py::gil_scoped_release release;
+              attributes = self.range_attributes(ptr, size);
+            }
+            return attributes_dict(attributes);
+          },
+          py::arg("ptr"), py::arg("size"), "What the driver says about a managed range.")
+      .def("is_managed", &Allocator::is_managed, py::arg("ptr"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_device_budget", &Allocator::set_device_budget, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("device_budget", &Allocator::device_budget, py::call_guard<py::gil_scoped_release>())
+      .def("set_managed_limit", &Allocator::set_managed_limit, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("managed_limit", &Allocator::managed_limit, py::call_guard<py::gil_scoped_release>())
       .def("free", &Allocator::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "enter_region",

@@ -5,6 +5,7 @@
 #include "allocator/driver/cuda_driver.h"
 #include "allocator/driver/sim_driver.h"
 #include "bindings/bindings.h"
+#include "bindings/region_args.h"
 
 namespace py = pybind11;
 
@@ -47,6 +48,19 @@ void bind_drivers(py::module_& module) {
       .def("mem_alloc", &Driver::mem_alloc, py::arg("device"), py::arg("size"),
            py::call_guard<py::gil_scoped_release>())
       .def("mem_free", &Driver::mem_free, py::arg("device"), py::arg("ptr"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("mem_alloc_managed", &Driver::mem_alloc_managed, py::arg("device"), py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "mem_prefetch",
+          [](Driver& driver, int device, std::uintptr_t ptr, std::size_t size,
+             const std::string& location) {
+            const MemLocation to = parse_location(location);
+            py::gil_scoped_release release;
+            driver.mem_prefetch(device, ptr, size, to, nullptr);
+          },
+          py::arg("device"), py::arg("ptr"), py::arg("size"), py::arg("location"))
+      .def("is_managed", &Driver::is_managed, py::arg("device"), py::arg("ptr"),
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<CudaDriver, Driver, std::shared_ptr<CudaDriver>>(module, "CudaDriver")
@@ -70,6 +84,9 @@ void bind_drivers(py::module_& module) {
       .def("mapped_ranges", &SimDriver::mapped_ranges, py::call_guard<py::gil_scoped_release>())
       .def("pinned_host_bytes", &SimDriver::pinned_host_bytes,
            py::call_guard<py::gil_scoped_release>())
+      .def("hold_events", &SimDriver::hold_events, py::arg("held"),
+           py::call_guard<py::gil_scoped_release>(),
+           "While held, event_query says recorded events are still running.")
       .def_property_readonly("capacity", &SimDriver::capacity_bytes);
 }
 

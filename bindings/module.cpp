@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, module) {
   tus::bindings::bind_drivers(module);
   tus::bindings::bind_allocator(module);
   tus::bindings::bind_registry(module);
+  tus::bindings::bind_alias(module);
 }

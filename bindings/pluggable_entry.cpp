@@ -27,11 +27,21 @@ std::string last_malloc_error() { return thread_last_error(); }
 void* tus_malloc(std::size_t size, int device, void* stream) noexcept {
   try {
     tus::bindings::thread_last_error().clear();
-    return reinterpret_cast<void*>(
-        tus::Registry::instance().allocator(device).malloc(size, stream, tus::thread_region()));
+    tus::Registry& registry = tus::Registry::instance();
+    tus::Allocator& allocator = registry.allocator(device);
+    if (registry.global_hook()) {
+      // Global hook mode: tensors themselves, cached here (caching/block_cache.h).
+      const tus::RegionConfig& region = tus::thread_region();
+      return reinterpret_cast<void*>(
+          allocator.block_malloc(size, stream, region.active ? region : registry.global_default()));
+    }
+    return reinterpret_cast<void*>(allocator.malloc(size, stream, tus::thread_region()));
   } catch (const std::exception& error) {
     tus::bindings::thread_last_error() = error.what();
-    if (dynamic_cast<const tus::OutOfMemory*>(&error) == nullptr) {
+    // In the global hook mode PyTorch's own out-of-memory message cannot carry ours, so every
+    // failure is logged (once per distinct message); regions report through last_malloc_error.
+    if (tus::Registry::instance().global_hook() ||
+        dynamic_cast<const tus::OutOfMemory*>(&error) == nullptr) {
       tus::log_once(std::string("malloc:") + error.what(), error.what());
     }
     return nullptr;
@@ -43,7 +53,11 @@ void* tus_malloc(std::size_t size, int device, void* stream) noexcept {
 
 void tus_free(void* ptr, std::size_t, int device, void*) noexcept {
   try {
-    tus::Registry::instance().allocator(device).free(reinterpret_cast<tus::DevicePtr>(ptr));
+    tus::Registry& registry = tus::Registry::instance();
+    tus::Allocator& allocator = registry.allocator(device);
+    const auto address = reinterpret_cast<tus::DevicePtr>(ptr);
+    if (registry.global_hook() && allocator.block_free(address)) return;
+    allocator.free(address);
   } catch (const std::exception& error) {
     tus::log_once("free_registry", error.what());
   }

@@ -7,6 +7,7 @@
 #include "allocator/registry.h"
 #include "bindings/bindings.h"
 #include "bindings/pluggable_entry.h"
+#include "bindings/region_args.h"
 
 namespace py = pybind11;
 
@@ -30,19 +31,43 @@ void bind_registry(py::module_& module) {
       "Use `driver` for the process allocators (refused while they hold memory).");
   module.def(
       "set_thread_region",
-      [](const std::string& mode, const std::string& tag, bool cpu_backup) {
-        if (tag.empty()) throw InvalidArgument("a tag must be a non-empty string");
-        thread_region() = RegionConfig{parse_mode(mode), tag, cpu_backup};
+      [](const std::string& mode, const std::string& tag, bool cpu_backup,
+         const std::optional<std::string>& preferred, const std::optional<std::string>& accessed_by,
+         bool read_mostly) {
+        thread_region() = make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
       },
       py::arg("mode"), py::arg("tag"), py::arg("cpu_backup"),
+      py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
+      py::arg("read_mostly") = false,
       "Set the region the calling thread's allocations through PyTorch belong to.");
+  module.def(
+      "clear_thread_region", [] { thread_region() = RegionConfig{}; },
+      "The calling thread leaves every region (the global hook then uses its default).");
+  module.def(
+      "enable_global_hook",
+      [](const std::string& default_mode) {
+        Registry::instance().enable_global_hook(make_region("default", default_mode, false));
+      },
+      py::arg("default_mode"),
+      "Serve every allocation PyTorch makes from the block caches (after "
+      "change_current_allocator); outside regions in `default_mode`.");
+  module.def(
+      "global_hook",
+      []() -> std::optional<std::string> {
+        Registry& registry = Registry::instance();
+        if (!registry.global_hook()) return std::nullopt;
+        return std::string(mode_name(registry.global_default().mode));
+      },
+      "The default mode of the global hook, or None when it is not enabled.");
   module.def(
       "get_thread_region",
       [] {
         const RegionConfig& region = thread_region();
-        return py::make_tuple(mode_name(region.mode), region.tag, region.cpu_backup);
+        return py::make_tuple(mode_name(region.mode), region.tag, region.cpu_backup, region.active);
       },
-      "(mode, tag, cpu_backup) of the calling thread.");
+      "(mode, tag, cpu_backup, inside a region) of the calling thread.");
+  module.def("managed_process_total", &ManagedResidency::process_total,
+             "Managed bytes allocated by every allocator of the process (the guard's total).");
   module.def("last_malloc_error", &last_malloc_error,
              "Why the last allocation PyTorch asked of us on this thread failed ('' if none).");
   module.attr("MALLOC_SYMBOL") = kMallocSymbol;

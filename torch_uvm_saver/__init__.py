@@ -3,18 +3,43 @@
 Tensors created inside ``with region(tag=..., mode="vmm")`` live on CUDA virtual memory:
 ``pause(tag)`` releases their physical memory while their addresses stay valid, and
 ``resume(tag)`` maps fresh memory at the same addresses, restoring the contents from a CPU backup
-when the region asked for one. See README.md and ARCHITECTURE.md.
+when the region asked for one. Inside ``region(mode="managed")`` they live on managed (unified)
+memory, which ``to``/``prefetch``/``advise`` move between host and GPU without copies, and
+``set_enabled_uvm(True)`` makes every CUDA allocation of the process managed. See README.md.
 """
 
 from __future__ import annotations
 
 from . import _C
+from . import hooks as _hooks
 from .errors import (
     CudaError,
     InvalidArgumentError,
     InvalidStateError,
     OutOfMemoryError,
     TusError,
+)
+from .hooks import (
+    empty_cache,
+    get_enabled_uvm,
+    hook_mode,
+    record_stream,
+    set_enabled_uvm,
+    use_global_allocator,
+)
+from .managed import (
+    advise,
+    get_device_budget,
+    get_managed_limit,
+    is_managed,
+    manage_memory,
+    memory_attributes,
+    prefetch,
+    set_device_budget,
+    set_managed_limit,
+    to,
+    unmanage_memory,
+    uvm_mode,
 )
 from .regions import disable, region
 from .residency import (
@@ -27,7 +52,7 @@ from .residency import (
 )
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "_C",
@@ -36,15 +61,35 @@ __all__ = [
     "InvalidStateError",
     "OutOfMemoryError",
     "TusError",
+    "advise",
     "disable",
+    "empty_cache",
     "get_cpu_backup",
+    "get_device_budget",
+    "get_enabled_uvm",
+    "get_managed_limit",
+    "hook_mode",
+    "is_managed",
     "is_paused",
+    "manage_memory",
+    "memory_attributes",
     "memory_stats",
     "memory_summary",
     "pause",
+    "prefetch",
+    "record_stream",
     "region",
     "release_host_cache",
     "reset_peak_memory_stats",
     "resume",
     "set_backup_policy",
+    "set_device_budget",
+    "set_enabled_uvm",
+    "set_managed_limit",
+    "to",
+    "unmanage_memory",
+    "use_global_allocator",
+    "uvm_mode",
 ]
+
+_hooks.apply_environment()

@@ -11,7 +11,7 @@ from .errors import InvalidArgumentError
 
 DeviceLike = Union[int, str, torch.device, None]
 
-MODES = ("vmm", "device")
+MODES = ("vmm", "device", "managed")
 
 
 def device_index(device: DeviceLike = None) -> int:
@@ -32,6 +32,22 @@ def device_index(device: DeviceLike = None) -> int:
     return index
 
 
+def location(where: DeviceLike) -> str | None:
+    """The native spelling of a memory location: None, "cpu" or "cuda:<index>"."""
+    if where is None:
+        return None
+    if isinstance(where, str) and where == "cpu":
+        return "cpu"
+    if isinstance(where, torch.device) and where.type == "cpu":
+        return "cpu"
+    try:
+        return f"cuda:{device_index(where)}"
+    except (RuntimeError, InvalidArgumentError) as error:
+        raise InvalidArgumentError(
+            f"a location is None, 'cpu' or a CUDA device, got {where!r}"
+        ) from error
+
+
 def allocator(device: DeviceLike = None) -> _C.Allocator:
     """The process allocator of ``device``, created on first use."""
     return _C.get_allocator(device_index(device))
@@ -49,7 +65,7 @@ def check_tag(tag: object) -> str:
 
 
 def check_mode(mode: object) -> str:
-    if mode in ("managed", "lms"):
+    if mode == "lms":
         raise InvalidArgumentError(
             f"mode {mode!r} is not available in this version yet; the modes are {', '.join(MODES)}"
         )

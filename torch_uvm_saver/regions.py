@@ -14,6 +14,12 @@ Note [Regions route one thread]
     ``torch.autograd.set_multithreading_enabled(False)`` around the backward pass, which makes
     autograd run it on the calling thread.
 
+Note [Regions in the global hook mode]
+    After ``set_enabled_uvm(True)`` or ``use_global_allocator()`` PyTorch hands every allocation
+    to torch_uvm_saver and there are no pools: a region only tells the native side which mode,
+    tag and advice the calling thread's allocations get, and ``disable()`` gives them the
+    process default (managed memory under ``set_enabled_uvm(True)``).
+
 Note [Nested regions]
     PyTorch hands an allocation to the first pool whose routing is active, not the innermost, so
     entering a region (or ``disable()``) ends the enclosing region's routing and leaving it starts
@@ -28,18 +34,20 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from . import _C, _native
-from .errors import InvalidStateError
+from .errors import InvalidArgumentError, InvalidStateError
 from .residency import apply_backup_policy
 
 __all__ = ["disable", "region"]
 
-_DEFAULT_CONFIG = ("vmm", "default", False)
+# (mode, tag, cpu_backup, preferred_location, accessed_by, read_mostly), as the native side takes it
+RegionKey = tuple[str, str, bool, Optional[str], Optional[str], bool]
 
-_pools: dict[tuple[str, str, bool, int], torch.cuda.MemPool] = {}
+_pools: dict[tuple[RegionKey, int], torch.cuda.MemPool] = {}
 _pools_lock = threading.Lock()
 _pluggable: torch.cuda.memory.CUDAPluggableAllocator | None = None
 _thread = threading.local()
@@ -47,9 +55,9 @@ _thread = threading.local()
 
 @dataclass
 class _Frame:
-    pool: torch.cuda.MemPool | None  # None inside disable(): PyTorch's own allocator
+    pool: torch.cuda.MemPool | None  # None inside disable() and in the global hook mode
     device: int
-    config: tuple[str, str, bool]  # (mode, tag, cpu_backup) for the native thread region
+    config: RegionKey | None  # None inside disable(): no region
 
 
 def _stack() -> list[_Frame]:
@@ -78,9 +86,9 @@ def _warn_if_expandable_segments() -> None:
             )
 
 
-def _pool_for(mode: str, tag: str, cpu_backup: bool, device: int) -> torch.cuda.MemPool:
+def _pool_for(config: RegionKey, device: int) -> torch.cuda.MemPool:
     global _pluggable
-    key = (mode, tag, cpu_backup, device)
+    key = (config, device)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
@@ -95,7 +103,10 @@ def _pool_for(mode: str, tag: str, cpu_backup: bool, device: int) -> torch.cuda.
 
 
 def _start_routing(frame: _Frame) -> None:
-    _C.set_thread_region(*frame.config)
+    if frame.config is None:
+        _C.clear_thread_region()
+    else:
+        _C.set_thread_region(*frame.config)
     if frame.pool is not None:
         torch._C._cuda_beginAllocateCurrentThreadToPool(frame.device, frame.pool.id)
 
@@ -104,7 +115,7 @@ def _stop_routing(frame: _Frame) -> None:
     if frame.pool is not None:
         torch._C._cuda_endAllocateToPool(frame.device, frame.pool.id)
         torch._C._cuda_releasePool(frame.device, frame.pool.id)
-    _C.set_thread_region(*_DEFAULT_CONFIG)
+    _C.clear_thread_region()
 
 
 @contextlib.contextmanager
@@ -130,16 +141,25 @@ def region(
     enable_cpu_backup: bool = False,
     *,
     device: _native.DeviceLike = None,
+    preferred_location: _native.DeviceLike = None,
+    accessed_by: _native.DeviceLike = None,
+    read_mostly: bool = False,
 ) -> Iterator[None]:
     """Allocate the calling thread's CUDA tensors through torch_uvm_saver.
 
     Args:
         tag: name that ``pause``/``resume`` and the stats use for this memory.
-        mode: ``"vmm"`` (pausable CUDA virtual memory) or ``"device"`` (plain ``cuMemAlloc``
-            through the same allocator and stats: the baseline).
+        mode: ``"vmm"`` (pausable CUDA virtual memory), ``"managed"`` (``cuMemAllocManaged``
+            unified memory, RFC-0023) or ``"device"`` (plain ``cuMemAlloc`` through the same
+            allocator and stats: the baseline).
         enable_cpu_backup: ``pause`` copies the contents to host memory and ``resume`` restores
-            them; without it the contents after ``resume`` are undefined.
+            them; without it the contents after ``resume`` are undefined. ``vmm`` only.
         device: the CUDA device whose allocations are routed; default the current one.
+        preferred_location: managed only: ``"cpu"`` or a CUDA device the driver should keep the
+            pages on; default (None) the allocating GPU, as RFC-0023 has it.
+        accessed_by: managed only: a device (or ``"cpu"``) that gets a mapping of the pages
+            wherever they are, so it reads them without faulting; default unset.
+        read_mostly: managed only: the driver may keep read-only copies on every reader.
 
     Raises:
         InvalidStateError: the tag is paused (resume it first), or there is no CUDA device.
@@ -149,6 +169,7 @@ def region(
     """
     _native.check_tag(tag)
     _native.check_mode(mode)
+    config = _region_key(tag, mode, enable_cpu_backup, preferred_location, accessed_by, read_mostly)
     _require_cuda()
     _warn_if_expandable_segments()
     index = _native.device_index(device)
@@ -156,17 +177,52 @@ def region(
     apply_backup_policy(allocator, tag)
     allocator.enter_region(tag, mode, bool(enable_cpu_backup))
     try:
-        pool = _pool_for(mode, tag, bool(enable_cpu_backup), index)
-        with _routed(_Frame(pool, index, (mode, tag, bool(enable_cpu_backup)))):
+        # Note [Regions in the global hook mode]
+        pool = None if _C.global_hook() is not None else _pool_for(config, index)
+        with _routed(_Frame(pool, index, config)):
             yield
     finally:
         allocator.exit_region(tag)
 
 
+def _region_key(
+    tag: str,
+    mode: str,
+    enable_cpu_backup: bool,
+    preferred_location: _native.DeviceLike,
+    accessed_by: _native.DeviceLike,
+    read_mostly: bool,
+) -> RegionKey:
+    if mode != "managed" and (
+        preferred_location is not None or accessed_by is not None or read_mostly
+    ):
+        raise InvalidArgumentError(
+            "preferred_location, accessed_by and read_mostly apply to mode='managed' only, "
+            f"not {mode!r}"
+        )
+    if mode == "managed" and enable_cpu_backup:
+        raise InvalidArgumentError(
+            "enable_cpu_backup applies to mode='vmm' only: managed memory moves to the host "
+            "with tus.prefetch(t, 'cpu') instead"
+        )
+    return (
+        mode,
+        tag,
+        bool(enable_cpu_backup),
+        _native.location(preferred_location),
+        _native.location(accessed_by),
+        bool(read_mostly),
+    )
+
+
 @contextlib.contextmanager
 def disable() -> Iterator[None]:
-    """Inside a region, allocate with PyTorch's own allocator (memory that never pauses)."""
+    """Inside a region, allocate with PyTorch's own allocator (memory that never pauses).
+
+    In the global hook mode, allocations get the process default instead (Note [Regions in the
+    global hook mode]).
+    """
     stack = _stack()
     device = stack[-1].device if stack else _native.device_index(None)
-    with _routed(_Frame(None, device, _DEFAULT_CONFIG)):
+    with _routed(_Frame(None, device, None)):
         yield

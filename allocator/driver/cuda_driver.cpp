@@ -35,6 +35,11 @@ namespace tus {
   X(cuMemSetAccess, 10020)                 \
   X(cuMemAlloc, 3020)                      \
   X(cuMemFree, 3020)                       \
+  X(cuMemAllocManaged, 6000)               \
+  X(cuMemAdvise, 12020)                    \
+  X(cuMemPrefetchAsync, 12020)             \
+  X(cuMemRangeGetAttribute, 8000)          \
+  X(cuPointerGetAttribute, 4000)           \
   X(cuMemHostAlloc, 2020)                  \
   X(cuMemFreeHost, 2000)                   \
   X(cuStreamCreate, 2000)                  \
@@ -44,6 +49,8 @@ namespace tus {
   X(cuEventDestroy, 4000)                  \
   X(cuEventRecord, 2000)                   \
   X(cuEventSynchronize, 2000)              \
+  X(cuEventQuery, 2000)                    \
+  X(cuEventElapsedTime, 2000)              \
   X(cuMemcpyDtoHAsync, 3020)               \
   X(cuMemcpyHtoDAsync, 3020)
 // clang-format on
@@ -81,6 +88,32 @@ CUmemAllocationProp device_allocation_prop(int device) {
   prop.location.id = device;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
   return prop;
+}
+
+CUmemLocation to_cuda(MemLocation location) {
+  CUmemLocation out = {};
+  switch (location.kind) {
+    case MemLocation::Kind::kDevice:
+      out.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      out.id = location.device;
+      break;
+    case MemLocation::Kind::kHost:
+      out.type = CU_MEM_LOCATION_TYPE_HOST;
+      break;
+    case MemLocation::Kind::kNone:
+      out.type = CU_MEM_LOCATION_TYPE_INVALID;
+      break;
+  }
+  return out;
+}
+
+MemLocation from_cuda(int type, int id) {
+  if (type == CU_MEM_LOCATION_TYPE_DEVICE) return MemLocation::on_device(id);
+  if (type == CU_MEM_LOCATION_TYPE_HOST || type == CU_MEM_LOCATION_TYPE_HOST_NUMA ||
+      type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT) {
+    return MemLocation::host();
+  }
+  return MemLocation::none();
 }
 
 std::string bytes_on(std::size_t size, int device) {
@@ -278,6 +311,75 @@ void CudaDriver::mem_free(int device, DevicePtr ptr) {
         "device " + std::to_string(device));
 }
 
+DevicePtr CudaDriver::mem_alloc_managed(int device, std::size_t size) {
+  ContextGuard guard(*this, device);
+  CUdeviceptr ptr = 0;
+  check(api(), api().cuMemAllocManaged(&ptr, size, CU_MEM_ATTACH_GLOBAL), "cuMemAllocManaged",
+        bytes_on(size, device));
+  return static_cast<DevicePtr>(ptr);
+}
+
+void CudaDriver::mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
+                            MemLocation location) {
+  ContextGuard guard(*this, device);
+  check(api(),
+        api().cuMemAdvise(static_cast<CUdeviceptr>(ptr), size, static_cast<CUmem_advise>(advice),
+                          to_cuda(location)),
+        "cuMemAdvise",
+        "advice " + std::to_string(static_cast<int>(advice)) + ", " + location_name(location) +
+            ", " + bytes_on(size, device));
+}
+
+void CudaDriver::mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
+                              StreamHandle stream) {
+  ContextGuard guard(*this, device);
+  check(api(),
+        api().cuMemPrefetchAsync(static_cast<CUdeviceptr>(ptr), size, to_cuda(location), 0,
+                                 static_cast<CUstream>(stream)),
+        "cuMemPrefetchAsync", "to " + location_name(location) + ", " + bytes_on(size, device));
+}
+
+RangeAttributes CudaDriver::range_attributes(int device, DevicePtr ptr, std::size_t size) {
+  ContextGuard guard(*this, device);
+  const auto dptr = static_cast<CUdeviceptr>(ptr);
+  auto query_int = [&](CUmem_range_attribute attribute) {
+    int value = 0;
+    check(
+        api(), api().cuMemRangeGetAttribute(&value, sizeof(value), attribute, dptr, size),
+        "cuMemRangeGetAttribute",
+        "attribute " + std::to_string(static_cast<int>(attribute)) + ", " + bytes_on(size, device));
+    return value;
+  };
+  RangeAttributes out;
+  out.read_mostly = query_int(CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY) != 0;
+  out.preferred = from_cuda(query_int(CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE),
+                            query_int(CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_ID));
+  out.last_prefetch = from_cuda(query_int(CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_TYPE),
+                                query_int(CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID));
+  // Device ordinals, CU_DEVICE_CPU (-1) for the host, CU_DEVICE_INVALID (-2) for unused slots.
+  int accessors[kMaxDevices + 1];
+  check(api(),
+        api().cuMemRangeGetAttribute(accessors, sizeof(accessors),
+                                     CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY, dptr, size),
+        "cuMemRangeGetAttribute", "accessed-by, " + bytes_on(size, device));
+  for (int accessor : accessors) {
+    if (accessor == CU_DEVICE_CPU) out.accessed_by.push_back(MemLocation::host());
+    if (accessor >= 0) out.accessed_by.push_back(MemLocation::on_device(accessor));
+  }
+  return out;
+}
+
+bool CudaDriver::is_managed(int device, DevicePtr ptr) {
+  ContextGuard guard(*this, device);
+  unsigned int managed = 0;
+  const CUresult result = api().cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                                                      static_cast<CUdeviceptr>(ptr));
+  // Host memory CUDA never saw (malloc'd, mmap'd) is not an error here: it is just not managed.
+  if (result == CUDA_ERROR_INVALID_VALUE) return false;
+  check(api(), result, "cuPointerGetAttribute", "IS_MANAGED, device " + std::to_string(device));
+  return managed != 0;
+}
+
 void* CudaDriver::host_alloc_pinned(int device, std::size_t size) {
   ContextGuard guard(*this, device);
   void* ptr = nullptr;
@@ -332,6 +434,31 @@ void CudaDriver::event_synchronize(int device, EventHandle event) {
   ContextGuard guard(*this, device);
   check(api(), api().cuEventSynchronize(static_cast<CUevent>(event)), "cuEventSynchronize",
         "device " + std::to_string(device));
+}
+
+EventHandle CudaDriver::event_create_timed(int device) {
+  ContextGuard guard(*this, device);
+  CUevent event = nullptr;
+  check(api(), api().cuEventCreate(&event, CU_EVENT_DEFAULT), "cuEventCreate", "timed");
+  return event;
+}
+
+float CudaDriver::event_elapsed_ms(int device, EventHandle start, EventHandle end) {
+  ContextGuard guard(*this, device);
+  float milliseconds = 0.0f;
+  check(api(),
+        api().cuEventElapsedTime(&milliseconds, static_cast<CUevent>(start),
+                                 static_cast<CUevent>(end)),
+        "cuEventElapsedTime", "device " + std::to_string(device));
+  return milliseconds;
+}
+
+bool CudaDriver::event_query(int device, EventHandle event) {
+  ContextGuard guard(*this, device);
+  const CUresult result = api().cuEventQuery(static_cast<CUevent>(event));
+  if (result == CUDA_ERROR_NOT_READY) return false;
+  check(api(), result, "cuEventQuery", "device " + std::to_string(device));
+  return true;
 }
 
 void CudaDriver::device_synchronize(int device) {

@@ -34,6 +34,13 @@ class CudaDriver final : public Driver {
 
   DevicePtr mem_alloc(int device, std::size_t size) override;
   void mem_free(int device, DevicePtr ptr) override;
+  DevicePtr mem_alloc_managed(int device, std::size_t size) override;
+  void mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
+                  MemLocation location) override;
+  void mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
+                    StreamHandle stream) override;
+  RangeAttributes range_attributes(int device, DevicePtr ptr, std::size_t size) override;
+  bool is_managed(int device, DevicePtr ptr) override;
   void* host_alloc_pinned(int device, std::size_t size) override;
   void host_free_pinned(int device, void* ptr) override;
 
@@ -44,6 +51,9 @@ class CudaDriver final : public Driver {
   void event_destroy(int device, EventHandle event) override;
   void event_record(int device, EventHandle event, StreamHandle stream) override;
   void event_synchronize(int device, EventHandle event) override;
+  bool event_query(int device, EventHandle event) override;
+  EventHandle event_create_timed(int device) override;
+  float event_elapsed_ms(int device, EventHandle start, EventHandle end) override;
   void device_synchronize(int device) override;
   void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
                            StreamHandle stream) override;

@@ -15,10 +15,30 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "allocator/types.h"
 
 namespace tus {
+
+// cuMemAdvise's advice values, in CUDA's order.
+enum class Advice : int {
+  kSetReadMostly = 1,
+  kUnsetReadMostly = 2,
+  kSetPreferredLocation = 3,
+  kUnsetPreferredLocation = 4,
+  kSetAccessedBy = 5,
+  kUnsetAccessedBy = 6,
+};
+
+// What the driver says about a managed range (cuMemRangeGetAttribute). A location is kNone where
+// it is unset or differs across the range.
+struct RangeAttributes {
+  MemLocation preferred;
+  MemLocation last_prefetch;
+  bool read_mostly = false;
+  std::vector<MemLocation> accessed_by;
+};
 
 class Driver {
  public:
@@ -43,6 +63,19 @@ class Driver {
   virtual DevicePtr mem_alloc(int device, std::size_t size) = 0;
   virtual void mem_free(int device, DevicePtr ptr) = 0;
 
+  // Managed (unified) memory: one address valid on the host and every device, migrated by the
+  // driver. Allocated attached globally; freed with mem_free, which synchronizes.
+  virtual DevicePtr mem_alloc_managed(int device, std::size_t size) = 0;
+  virtual void mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
+                          MemLocation location) = 0;
+  // Migrates the range to `location`, ordered on `stream`.
+  virtual void mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
+                            StreamHandle stream) = 0;
+  virtual RangeAttributes range_attributes(int device, DevicePtr ptr, std::size_t size) = 0;
+  // True for any managed memory of the process (ours or another library's), false for host,
+  // pinned, ordinary device memory and addresses CUDA does not know.
+  virtual bool is_managed(int device, DevicePtr ptr) = 0;
+
   // Page-locked host memory, usable by every device.
   virtual void* host_alloc_pinned(int device, std::size_t size) = 0;
   virtual void host_free_pinned(int device, void* ptr) = 0;
@@ -55,6 +88,11 @@ class Driver {
   virtual void event_destroy(int device, EventHandle event) = 0;
   virtual void event_record(int device, EventHandle event, StreamHandle stream) = 0;
   virtual void event_synchronize(int device, EventHandle event) = 0;
+  // An event that can time: event_elapsed_ms between two of them once both completed.
+  virtual EventHandle event_create_timed(int device) = 0;
+  virtual float event_elapsed_ms(int device, EventHandle start, EventHandle end) = 0;
+  // True once everything the event waits for has finished; never blocks.
+  virtual bool event_query(int device, EventHandle event) = 0;
   // Waits for all work queued on the device by any stream of this process.
   virtual void device_synchronize(int device) = 0;
   virtual void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,

@@ -292,9 +292,53 @@ DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
   return reinterpret_cast<DevicePtr>(ptr);
 }
 
+DevicePtr SimDriver::mem_alloc_managed(int device, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_alloc_managed", device);
+  const DevicePtr ptr = managed_.allocate(device, size);
+  if (ptr == 0) fail("mem_alloc_managed", kOutOfMemoryCode, system_error("mmap"));
+  return ptr;
+}
+
+void SimDriver::mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
+                           MemLocation location) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_advise", device);
+  if (!managed_.covers(ptr, size)) fail("mem_advise", kInvalidValue, "not managed memory");
+  const bool needs_location =
+      advice == Advice::kSetPreferredLocation || advice == Advice::kSetAccessedBy;
+  if (needs_location && location.is_none()) fail("mem_advise", kInvalidValue, "no location");
+  if (location.kind == MemLocation::Kind::kDevice) check_device_locked(location.device);
+  managed_.advise(ptr, size, advice, location);
+}
+
+void SimDriver::mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
+                             StreamHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("mem_prefetch", device);
+  if (!managed_.covers(ptr, size)) fail("mem_prefetch", kInvalidValue, "not managed memory");
+  if (location.is_none()) fail("mem_prefetch", kInvalidValue, "no location");
+  if (location.kind == MemLocation::Kind::kDevice) check_device_locked(location.device);
+  managed_.prefetch(ptr, size, location);
+}
+
+RangeAttributes SimDriver::range_attributes(int device, DevicePtr ptr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("range_attributes", device);
+  if (!managed_.covers(ptr, size)) fail("range_attributes", kInvalidValue, "not managed memory");
+  return managed_.attributes(ptr, size);
+}
+
+bool SimDriver::is_managed(int device, DevicePtr ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("is_managed", device);
+  return managed_.contains(ptr);
+}
+
 void SimDriver::mem_free(int device, DevicePtr ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("mem_free", device);
+  if (managed_.release(ptr)) return;
   auto it = plain_allocations_.find(ptr);
   if (it == plain_allocations_.end()) fail("mem_free", kInvalidValue, "not an allocation");
   munmap(reinterpret_cast<void*>(ptr), it->second.second);
@@ -352,6 +396,29 @@ void SimDriver::event_record(int device, EventHandle, StreamHandle) {
   enter_locked("event_record", device);
 }
 
+EventHandle SimDriver::event_create_timed(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_create_timed", device);
+  return reinterpret_cast<EventHandle>(next_object_++);
+}
+
+float SimDriver::event_elapsed_ms(int device, EventHandle, EventHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_elapsed_ms", device);
+  return 0.0f;  // synchronous streams: work has taken no time by the time it is queried
+}
+
+bool SimDriver::event_query(int device, EventHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("event_query", device);
+  return !events_held_;  // streams are synchronous: recorded events are complete unless held
+}
+
+void SimDriver::hold_events(bool held) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_held_ = held;
+}
+
 void SimDriver::event_synchronize(int device, EventHandle) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("event_synchronize", device);
@@ -360,6 +427,7 @@ void SimDriver::event_synchronize(int device, EventHandle) {
 void SimDriver::device_synchronize(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("device_synchronize", device);
+  events_held_ = false;
 }
 
 namespace {
@@ -381,7 +449,8 @@ void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::s
   enter_locked("copy_device_to_host", device);
   const bool valid =
       inside_one(mappings_, src, size, [](const Mapping& m) { return m.size; }) ||
-      inside_one(plain_allocations_, src, size, [](const auto& entry) { return entry.second; });
+      inside_one(plain_allocations_, src, size, [](const auto& entry) { return entry.second; }) ||
+      managed_.covers(src, size);
   if (!valid) fail("copy_device_to_host", kInvalidValue, "source is not mapped device memory");
   std::memcpy(dst, reinterpret_cast<const void*>(src), size);
 }
@@ -392,7 +461,8 @@ void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, 
   enter_locked("copy_host_to_device", device);
   const bool valid =
       inside_one(mappings_, dst, size, [](const Mapping& m) { return m.size; }) ||
-      inside_one(plain_allocations_, dst, size, [](const auto& entry) { return entry.second; });
+      inside_one(plain_allocations_, dst, size, [](const auto& entry) { return entry.second; }) ||
+      managed_.covers(dst, size);
   if (!valid) fail("copy_host_to_device", kInvalidValue, "destination is not mapped device memory");
   std::memcpy(reinterpret_cast<void*>(dst), src, size);
 }

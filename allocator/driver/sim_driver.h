@@ -12,6 +12,8 @@
 //  - Mapping rules are checked more strictly than CUDA does (a map must lie inside one
 //    reservation and not overlap another mapping; an unmap must match one mapping exactly), so a
 //    bookkeeping bug in the allocator fails loudly here.
+//  - Managed memory is host memory whose advice and prefetch locations are recorded per page
+//    (sim_managed_space.h); it does not count against the capacity.
 //  - Streams are synchronous: a copy has finished when its call returns.
 //  - Fault injection: fail_on("unmap", 3) makes the 3rd unmap from now throw, as a driver error
 //    would. "*" counts calls of every function.
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "allocator/driver/driver.h"
+#include "allocator/driver/sim_managed_space.h"
 
 namespace tus {
 
@@ -47,6 +50,9 @@ class SimDriver final : public Driver {
   std::size_t capacity_bytes() const { return capacity_; }
   std::size_t mapped_ranges() const;
   std::size_t pinned_host_bytes() const;
+  // While held, event_query reports recorded events as not yet complete (work "in flight" on
+  // other streams); event_synchronize and device_synchronize still complete them.
+  void hold_events(bool held);
 
   std::string name() const override { return "sim"; }
   int device_count() override;
@@ -63,6 +69,13 @@ class SimDriver final : public Driver {
 
   DevicePtr mem_alloc(int device, std::size_t size) override;
   void mem_free(int device, DevicePtr ptr) override;
+  DevicePtr mem_alloc_managed(int device, std::size_t size) override;
+  void mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
+                  MemLocation location) override;
+  void mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
+                    StreamHandle stream) override;
+  RangeAttributes range_attributes(int device, DevicePtr ptr, std::size_t size) override;
+  bool is_managed(int device, DevicePtr ptr) override;
   void* host_alloc_pinned(int device, std::size_t size) override;
   void host_free_pinned(int device, void* ptr) override;
 
@@ -73,6 +86,9 @@ class SimDriver final : public Driver {
   void event_destroy(int device, EventHandle event) override;
   void event_record(int device, EventHandle event, StreamHandle stream) override;
   void event_synchronize(int device, EventHandle event) override;
+  bool event_query(int device, EventHandle event) override;
+  EventHandle event_create_timed(int device) override;
+  float event_elapsed_ms(int device, EventHandle start, EventHandle end) override;
   void device_synchronize(int device) override;
   void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
                            StreamHandle stream) override;
@@ -116,6 +132,8 @@ class SimDriver final : public Driver {
   std::map<PhysHandle, Physical> physicals_;
   std::map<DevicePtr, std::pair<int, std::size_t>> plain_allocations_;  // ptr -> (device, size)
   std::map<void*, std::size_t> pinned_;
+  SimManagedSpace managed_;
+  bool events_held_ = false;
   PhysHandle next_handle_ = 1;
   std::uintptr_t next_object_ = 1;
   std::map<std::string, long> calls_;

@@ -12,18 +12,32 @@
   X(active_bytes, "allocated bytes that are resident on the device")                  \
   X(paused_bytes, "allocated bytes that are paused: their addresses hold no memory")  \
   X(cpu_backup_bytes, "host memory holding backups of paused (or retained) segments") \
-  X(segment, "segments handed to the client")
+  X(segment, "segments handed to the client")                                         \
+  X(managed_bytes, "allocated bytes of managed memory")                               \
+  X(managed_device_bytes, "managed bytes our prefetches last placed on the device")   \
+  X(managed_host_bytes, "managed bytes our prefetches last placed on the host")       \
+  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
-#define TUS_COUNTER_STATS(X)                                                          \
-  X(num_pauses, "pauses of a tag that released memory (partly failed ones included)") \
-  X(num_resumes, "resumes of a tag that completed")                                   \
-  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")            \
-  X(resume_copy_bytes, "bytes copied host to device by resumes with backup")          \
-  X(num_ooms, "allocations and resumes refused for lack of device memory")            \
-  X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)")
+#define TUS_COUNTER_STATS(X)                                                              \
+  X(num_pauses, "pauses of a tag that released memory (partly failed ones included)")     \
+  X(num_resumes, "resumes of a tag that completed")                                       \
+  X(pause_copy_bytes, "bytes copied device to host by pauses with backup")                \
+  X(resume_copy_bytes, "bytes copied host to device by resumes with backup")              \
+  X(num_ooms, "allocations and resumes refused for lack of device memory")                \
+  X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)") \
+  X(prefetch_to_device_bytes, "managed bytes prefetched to the device")                   \
+  X(prefetch_to_host_bytes, "managed bytes prefetched to the host")                       \
+  X(num_prefetch_skipped, "prefetches skipped: the range already sat where asked")        \
+  X(num_budget_evictions, "managed segments the device budget moved to the host")         \
+  X(budget_eviction_bytes, "managed bytes the device budget moved to the host")           \
+  X(num_managed_refusals, "managed allocations the oversubscription guard refused")       \
+  X(num_block_cache_misses, "global-mode allocations that needed a new segment")          \
+  X(num_alloc_retries, "allocations retried after the global-mode cache was emptied")
 
 // Timers: seconds spent, summed over calls.
-#define TUS_TIMER_STATS(X)                                                  \
-  X(pause_seconds, "wall time spent in pause, device synchronize included") \
-  X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")
+#define TUS_TIMER_STATS(X)                                                               \
+  X(pause_seconds, "wall time spent in pause, device synchronize included")              \
+  X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")   \
+  X(prefetch_to_device_seconds, "device time of prefetches to the device (CUDA events)") \
+  X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")

@@ -12,6 +12,9 @@ void apply_to(ScopeStats& scope, const Footprint& before, const Footprint& after
   scope.paused_bytes.change(after.paused - before.paused);
   scope.cpu_backup_bytes.change(after.cpu_backup - before.cpu_backup);
   scope.segment.change(after.segments - before.segments);
+  scope.managed_bytes.change(after.managed - before.managed);
+  scope.managed_device_bytes.change(after.managed_device - before.managed_device);
+  scope.managed_host_bytes.change(after.managed_host - before.managed_host);
 }
 
 void reset_scope_peaks(ScopeStats& scope) {

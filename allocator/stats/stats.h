@@ -51,6 +51,9 @@ struct Footprint {
   std::int64_t paused = 0;
   std::int64_t cpu_backup = 0;
   std::int64_t segments = 0;
+  std::int64_t managed = 0;
+  std::int64_t managed_device = 0;
+  std::int64_t managed_host = 0;
 };
 
 using StatValue = std::variant<std::int64_t, double>;
@@ -68,6 +71,7 @@ class StatsBook {
     update(tags_[tag]);
   }
   const ScopeStats& all() const { return all_; }
+  const ScopeStats& mode(Mode mode) const { return modes_[static_cast<int>(mode)]; }
   void reset_peak();
   void add_to(StatsDict& out) const;
 

@@ -12,18 +12,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from scenarios import SCENARIOS
 
 HERE = Path(__file__).parent
+CASES = [("scenarios.py", name) for name in sorted(SCENARIOS)] + [
+    ("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_scenario(name: str) -> None:
+@pytest.mark.parametrize(("script", "name"), CASES, ids=[name for _, name in CASES])
+def test_scenario(script: str, name: str) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TUS_DRIVER", None)
     result = subprocess.run(
-        [sys.executable, str(HERE / "scenarios.py"), name],
+        [sys.executable, str(HERE / script), name],
         capture_output=True,
         text=True,
         timeout=600,

@@ -165,8 +165,8 @@ def test_region_needs_cuda() -> None:
 
 def test_region_argument_errors() -> None:
     with (
-        pytest.raises(InvalidArgumentError, match="'managed' is not available"),
-        tus.region("api-r", mode="managed"),
+        pytest.raises(InvalidArgumentError, match="'lms' is not available"),
+        tus.region("api-r", mode="lms"),
     ):
         pass
     with pytest.raises(InvalidArgumentError, match="unknown mode"), tus.region("api-r", mode="x"):

@@ -1,0 +1,33 @@
+// ManagedBacking: cuMemAllocManaged memory (the `managed` mode, RFC-0023). One address valid on
+// the host and on every device; the driver migrates pages on access, steered by advice and
+// prefetches. This class only talks to the driver; where the bytes should be (tracking,
+// budgets, the oversubscription guard) is decided in residency/managed_residency.
+#pragma once
+
+#include "allocator/backing/backing.h"
+#include "allocator/driver/driver.h"
+
+namespace tus {
+
+class ManagedBacking final : public Backing {
+ public:
+  ManagedBacking(Driver& driver, int device) : driver_(driver), device_(device) {}
+
+  const char* name() const override { return "managed"; }
+  BackingCapabilities capabilities() const override { return {false, true, false}; }
+  // Page-sized below 2 MiB, whole 2 MiB pages above (the driver migrates large pages fastest).
+  std::size_t rounded_size(std::size_t requested) override;
+  // Allocates attached globally, marks the range MADV_DONTFORK (a fork() child must not share
+  // managed pages) and applies segment.managed.advice.
+  void allocate(Segment& segment) override;
+  void deallocate(Segment& segment) override;
+
+  void apply_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice);
+  void clear_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice);
+
+ private:
+  Driver& driver_;
+  const int device_;
+};
+
+}  // namespace tus

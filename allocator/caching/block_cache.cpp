@@ -1,0 +1,292 @@
+#include "allocator/caching/block_cache.h"
+
+#include <algorithm>
+
+#include "allocator/errors.h"
+#include "allocator/log.h"
+
+namespace tus {
+
+// A piece of a segment: either handed to PyTorch (allocated) or free in its pool.
+struct BlockCache::Block {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;
+  Segment* segment = nullptr;
+  Pool* pool = nullptr;
+  StreamHandle stream = nullptr;  // the stream it was allocated on; reuse stays on it
+  bool allocated = false;
+  Block* prev = nullptr;  // neighbours inside the same segment, by address
+  Block* next = nullptr;
+  std::vector<StreamHandle> other_streams;  // record_stream: used there too
+  std::vector<EventHandle> events;          // pending after free, one per other stream
+};
+
+struct BlockCache::Pool {
+  PoolKey key;
+  std::set<Block*, BySize> free_blocks;
+};
+
+bool BlockCache::BySize::operator()(const Block* a, const Block* b) const {
+  return std::tie(a->stream, a->size, a->ptr) < std::tie(b->stream, b->size, b->ptr);
+}
+
+BlockCache::BlockCache(Driver& driver, int device, SegmentSource& source)
+    : driver_(driver), device_(device), source_(source) {}
+
+BlockCache::~BlockCache() {
+  // Blocks only; the Allocator frees the segments themselves.
+  std::set<Block*> all;
+  for (auto& [ptr, block] : live_) all.insert(block);
+  for (Block* block : pending_) all.insert(block);
+  for (auto& [key, pool] : pools_) all.insert(pool->free_blocks.begin(), pool->free_blocks.end());
+  for (Block* block : all) {
+    for (EventHandle event : block->events) spare_events_.push_back(event);
+    delete block;
+  }
+  for (EventHandle event : spare_events_) {
+    try {
+      driver_.event_destroy(device_, event);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+BlockCache::Pool& BlockCache::pool_for(const RegionConfig& region, bool small) {
+  PoolKey key{region.mode, region.tag, region.cpu_backup, region.advice, small};
+  auto it = pools_.find(key);
+  if (it == pools_.end()) {
+    auto pool = std::make_unique<Pool>();
+    pool->key = key;
+    it = pools_.emplace(key, std::move(pool)).first;
+  }
+  return *it->second;
+}
+
+BlockCache::Block* BlockCache::best_fit(Pool& pool, StreamHandle stream, std::size_t size) {
+  Block probe;
+  probe.stream = stream;
+  probe.size = size;
+  auto it = pool.free_blocks.lower_bound(&probe);
+  if (it == pool.free_blocks.end() || (*it)->stream != stream) return nullptr;
+  Block* block = *it;
+  pool.free_blocks.erase(it);
+  return block;
+}
+
+BlockCache::Block* BlockCache::new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
+                                                 const RegionConfig& region) {
+  std::size_t segment_size = round_up(size, 2 * kMiB);
+  if (pool.key.small) {
+    segment_size = kSmallSegment;
+  } else if (size <= kMediumRequest) {
+    segment_size = kMediumSegment;
+  }
+  Segment& segment = source_.allocate_segment(segment_size, stream, region);
+  auto* block = new Block;
+  block->ptr = segment.ptr;
+  block->size = segment.size;
+  block->segment = &segment;
+  block->pool = &pool;
+  block->stream = stream;
+  return block;
+}
+
+void BlockCache::split(Block* block, std::size_t size) {
+  const std::size_t remaining = block->size - size;
+  const bool worth_it =
+      block->pool->key.small ? remaining >= kRound : remaining > kLargeSplitRemainder;
+  if (!worth_it) return;
+  auto* rest = new Block;
+  rest->ptr = block->ptr + size;
+  rest->size = remaining;
+  rest->segment = block->segment;
+  rest->pool = block->pool;
+  rest->stream = block->stream;
+  rest->prev = block;
+  rest->next = block->next;
+  if (rest->next != nullptr) rest->next->prev = rest;
+  block->next = rest;
+  block->size = size;
+  block->pool->free_blocks.insert(rest);
+}
+
+DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
+                             std::size_t* block_bytes) {
+  const std::size_t rounded = round_up(size == 0 ? 1 : size, kRound);
+  Pool& pool = pool_for(region, rounded <= kSmallRequest);
+  Block* block = best_fit(pool, stream, rounded);
+  if (block == nullptr && !pending_.empty()) {
+    process_pending_frees(false);
+    block = best_fit(pool, stream, rounded);
+  }
+  if (block != nullptr) {
+    source_.reuse_segment(*block->segment, stream);
+  } else {
+    ++counters_.cache_misses;
+    try {
+      block = new_segment_block(pool, rounded, stream, region);
+    } catch (const OutOfMemory&) {
+      // The ladder: wait for pending frees, give back every wholly free segment, retry once.
+      ++counters_.alloc_retries;
+      process_pending_frees(true);
+      release_free_segments();
+      block = best_fit(pool, stream, rounded);
+      if (block != nullptr) {
+        source_.reuse_segment(*block->segment, stream);
+      } else {
+        block = new_segment_block(pool, rounded, stream, region);
+      }
+    }
+  }
+  split(block, rounded);
+  block->allocated = true;
+  live_[block->ptr] = block;
+  *block_bytes = block->size;
+  return block->ptr;
+}
+
+void BlockCache::return_to_pool(Block* block) {
+  Pool& pool = *block->pool;
+  block->allocated = false;
+  block->other_streams.clear();
+  // Merge with free neighbours (never with pending or allocated ones).
+  auto absorb = [&](Block* into, Block* gone) {
+    pool.free_blocks.erase(gone);
+    into->size += gone->size;
+    into->next = gone->next;
+    if (into->next != nullptr) into->next->prev = into;
+    delete gone;
+  };
+  auto is_free = [&](Block* neighbour) {
+    return neighbour != nullptr && !neighbour->allocated && neighbour->events.empty() &&
+           pool.free_blocks.count(neighbour) > 0;
+  };
+  if (is_free(block->next)) absorb(block, block->next);
+  if (is_free(block->prev)) {
+    Block* prev = block->prev;
+    pool.free_blocks.erase(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (prev->next != nullptr) prev->next->prev = prev;
+    delete block;
+    block = prev;
+  }
+  pool.free_blocks.insert(block);
+}
+
+bool BlockCache::free(DevicePtr ptr, std::size_t* block_bytes, const Segment** segment) {
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return false;
+  Block* block = it->second;
+  live_.erase(it);
+  *block_bytes = block->size;
+  *segment = block->segment;
+  if (block->other_streams.empty()) {
+    return_to_pool(block);
+    return true;
+  }
+  // Note [Stream-ordered reuse]: wait for the other streams that used it.
+  block->allocated = false;
+  try {
+    for (StreamHandle stream : block->other_streams) {
+      EventHandle event = take_event();
+      block->events.push_back(event);
+      driver_.event_record(device_, event, stream);
+    }
+  } catch (const std::exception& error) {
+    // Without the events the block cannot be known safe to reuse: keep it out of the pool
+    // until a device synchronize (process_pending_frees(true)) settles it.
+    log_once("record_stream_event", std::string("free: recording a stream event failed; the "
+                                                "block waits for the next synchronize: ") +
+                                        error.what());
+  }
+  pending_.push_back(block);
+  return true;
+}
+
+void BlockCache::record_stream(DevicePtr ptr, StreamHandle stream) {
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    TUS_THROW(InvalidArgument, "record_stream: " << hex_address(ptr)
+                                                 << " is not the start of a live block of the "
+                                                    "global-mode cache on device "
+                                                 << device_);
+  }
+  Block* block = it->second;
+  if (stream == block->stream) return;
+  auto& streams = block->other_streams;
+  if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
+}
+
+void BlockCache::process_pending_frees(bool wait) {
+  if (wait && !pending_.empty()) driver_.device_synchronize(device_);
+  std::vector<Block*> still;
+  for (Block* block : pending_) {
+    bool done = wait;
+    if (!done) {
+      done = true;
+      for (EventHandle event : block->events) done = done && driver_.event_query(device_, event);
+      // A block whose events could not all be recorded waits for a synchronize.
+      done = done && block->events.size() == block->other_streams.size();
+    }
+    if (!done) {
+      still.push_back(block);
+      continue;
+    }
+    for (EventHandle event : block->events) spare_events_.push_back(event);
+    block->events.clear();
+    return_to_pool(block);
+  }
+  pending_ = std::move(still);
+}
+
+EventHandle BlockCache::take_event() {
+  if (spare_events_.empty()) return driver_.event_create(device_);
+  EventHandle event = spare_events_.back();
+  spare_events_.pop_back();
+  return event;
+}
+
+std::size_t BlockCache::release_free_segments() {
+  std::vector<Block*> whole;
+  for (auto& [key, pool] : pools_) {
+    for (Block* block : pool->free_blocks) {
+      if (block->prev == nullptr && block->next == nullptr) whole.push_back(block);
+    }
+  }
+  if (whole.empty()) return 0;
+  // Kernels may still use a freed block on its own stream (Note [Stream-ordered reuse]).
+  driver_.device_synchronize(device_);
+  std::size_t released = 0;
+  for (Block* block : whole) {
+    block->pool->free_blocks.erase(block);
+    released += block->size;
+    Segment& segment = *block->segment;
+    delete block;
+    source_.release_segment(segment);
+  }
+  return released;
+}
+
+bool BlockCache::owns_segment(const Segment& segment) const {
+  for (const auto& [ptr, block] : live_) {
+    if (block->segment == &segment) return true;
+  }
+  for (const auto& [key, pool] : pools_) {
+    for (const Block* block : pool->free_blocks) {
+      if (block->segment == &segment) return true;
+    }
+  }
+  return false;
+}
+
+std::size_t BlockCache::cached_bytes() const {
+  std::size_t bytes = 0;
+  for (const auto& [key, pool] : pools_) {
+    for (const Block* block : pool->free_blocks) bytes += block->size;
+  }
+  for (const Block* block : pending_) bytes += block->size;
+  return bytes;
+}
+
+}  // namespace tus

@@ -1,0 +1,124 @@
+// BlockCache: the caching layer of the global hook mode, where PyTorch hands every tensor
+// allocation straight to us (change_current_allocator) and nothing above caches. It keeps freed
+// blocks and hands them out again without a driver call, the way PyTorch's own allocator does:
+//
+//  - Requests are rounded to 512 bytes. Requests up to 1 MiB come from 2 MiB segments (the small
+//    pool), up to 10 MiB from 20 MiB segments, larger ones from a segment of their own rounded to
+//    2 MiB. Segments come from the Allocator (SegmentSource), so they carry the region's mode,
+//    tag and backup setting, pause and resume with their tag, and count in the stats.
+//  - Best fit: the smallest free block of the same pool and stream that is large enough. The
+//    rest of it is split off as a free block if at least 512 bytes (small pool) or more than
+//    1 MiB (large pools) remain; on free a block merges with free neighbours of its segment.
+//  - Stream-ordered reuse (Note [Stream-ordered reuse]).
+//  - Out of memory: wait for pending frees, release every wholly free cached segment, retry once,
+//    then raise with the report (num_alloc_retries counts the retries).
+//
+// Note [Stream-ordered reuse]
+//  A block freed on the host may still be in use by kernels queued on its stream. It goes back
+//  to the free blocks of that stream only, so the next user on the same stream is ordered after
+//  them. A block also used on other streams (record_stream) instead waits, after free, for an
+//  event recorded on each of those streams; it is reusable once they have all completed. Freeing
+//  memory back to the driver (empty_cache) synchronizes the device first.
+//
+// Not thread-safe: the Allocator calls it under its mutex. Owns every Block it creates.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator/driver/driver.h"
+#include "allocator/region_config.h"
+#include "allocator/segment.h"
+
+namespace tus {
+
+// Where BlockCache gets and returns whole segments: implemented by the Allocator.
+class SegmentSource {
+ public:
+  virtual ~SegmentSource() = default;
+  // A new segment of at least `size` bytes for `region`; throws OutOfMemory.
+  virtual Segment& allocate_segment(std::size_t size, StreamHandle stream,
+                                    const RegionConfig& region) = 0;
+  virtual void release_segment(Segment& segment) = 0;
+  // A cached block of `segment` is about to be handed out again.
+  virtual void reuse_segment(Segment& segment, StreamHandle stream) = 0;
+};
+
+struct BlockCacheCounters {
+  std::size_t cache_misses = 0;
+  std::size_t alloc_retries = 0;
+};
+
+class BlockCache {
+ public:
+  static constexpr std::size_t kRound = 512;
+  static constexpr std::size_t kSmallRequest = 1 * kMiB;
+  static constexpr std::size_t kSmallSegment = 2 * kMiB;
+  static constexpr std::size_t kMediumRequest = 10 * kMiB;
+  static constexpr std::size_t kMediumSegment = 20 * kMiB;
+  static constexpr std::size_t kLargeSplitRemainder = 1 * kMiB;
+
+  BlockCache(Driver& driver, int device, SegmentSource& source);
+  ~BlockCache();
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+
+  // Returns the block's address; `block_bytes` receives its rounded size.
+  DevicePtr malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
+                   std::size_t* block_bytes);
+  // Returns false if `ptr` is not a live block; otherwise its rounded size and the segment's
+  // mode/tag through `freed`.
+  bool free(DevicePtr ptr, std::size_t* block_bytes, const Segment** segment);
+  // Note [Stream-ordered reuse]. Throws InvalidArgument for an address that is not a live block.
+  void record_stream(DevicePtr ptr, StreamHandle stream);
+  // Gives wholly free segments back (after a device synchronize); returns their bytes.
+  std::size_t release_free_segments();
+  // Forgets the blocks of a segment the Allocator is about to free for another reason.
+  bool owns_segment(const Segment& segment) const;
+
+  std::size_t cached_bytes() const;  // free blocks held
+  const BlockCacheCounters& counters() const { return counters_; }
+
+ private:
+  struct Block;
+  struct Pool;
+  struct BySize {
+    bool operator()(const Block* a, const Block* b) const;
+  };
+  struct PoolKey {
+    Mode mode;
+    std::string tag;
+    bool cpu_backup;
+    ManagedAdvice advice;
+    bool small;
+    bool operator<(const PoolKey& other) const {
+      return std::tie(mode, tag, cpu_backup, advice, small) <
+             std::tie(other.mode, other.tag, other.cpu_backup, other.advice, other.small);
+    }
+  };
+
+  Pool& pool_for(const RegionConfig& region, bool small);
+  Block* best_fit(Pool& pool, StreamHandle stream, std::size_t size);
+  Block* new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
+                           const RegionConfig& region);
+  void split(Block* block, std::size_t size);
+  void return_to_pool(Block* block);
+  void process_pending_frees(bool wait);
+  EventHandle take_event();
+
+  Driver& driver_;
+  const int device_;
+  SegmentSource& source_;
+  std::map<PoolKey, std::unique_ptr<Pool>> pools_;
+  std::unordered_map<DevicePtr, Block*> live_;
+  std::vector<Block*> pending_;  // freed, waiting for events on other streams
+  std::vector<EventHandle> spare_events_;
+  BlockCacheCounters counters_;
+};
+
+}  // namespace tus

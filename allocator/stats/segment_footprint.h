@@ -1,0 +1,47 @@
+// What one segment contributes to the gauges. The Allocator and the residency layer take one
+// before and one after every change to a segment and apply the difference (StatsBook::apply),
+// so the statistics are derived from segment state rather than kept by hand.
+#pragma once
+
+#include <algorithm>
+
+#include "allocator/segment.h"
+#include "allocator/stats/stats.h"
+
+namespace tus {
+
+// Tracked bytes of a managed segment at `kind` (pages are 2 MiB, the last one may be short).
+inline std::size_t managed_bytes_at(const Segment& segment, MemLocation::Kind kind) {
+  std::size_t bytes = 0;
+  const std::size_t page = ManagedState::kPageBytes;
+  for (std::size_t i = 0; i < segment.managed.pages.size(); ++i) {
+    if (segment.managed.pages[i] == kind) bytes += std::min(page, segment.size - i * page);
+  }
+  return bytes;
+}
+
+inline Footprint footprint(const Segment& segment) {
+  Footprint print;
+  print.allocated = static_cast<std::int64_t>(segment.size);
+  print.requested = static_cast<std::int64_t>(segment.requested);
+  print.segments = 1;
+  if (segment.mode == Mode::kManaged) {
+    const auto on_device =
+        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kDevice));
+    print.reserved = on_device;  // device memory it holds, as far as our prefetches know
+    print.active = print.allocated;
+    print.managed = print.allocated;
+    print.managed_device = on_device;
+    print.managed_host =
+        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kHost));
+    return print;
+  }
+  const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
+  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
+  print.active = resident;
+  print.paused = print.allocated - resident;
+  print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
+  return print;
+}
+
+}  // namespace tus

@@ -1,0 +1,49 @@
+#include "bindings/region_args.h"
+
+#include <cstdlib>
+
+#include "allocator/errors.h"
+
+namespace tus::bindings {
+
+MemLocation parse_location(const std::optional<std::string>& text) {
+  if (!text) return MemLocation::none();
+  if (*text == "cpu") return MemLocation::host();
+  const std::string prefix = "cuda:";
+  if (text->compare(0, prefix.size(), prefix) == 0 && text->size() > prefix.size()) {
+    const std::string digits = text->substr(prefix.size());
+    char* end = nullptr;
+    const long index = std::strtol(digits.c_str(), &end, 10);
+    if (*end == '\0' && index >= 0) return MemLocation::on_device(static_cast<int>(index));
+  }
+  TUS_THROW(InvalidArgument, "a location is None, 'cpu' or 'cuda:<index>', got '" << *text << "'");
+}
+
+std::optional<std::string> location_text(const MemLocation& location) {
+  if (location.is_none()) return std::nullopt;
+  return location_name(location);
+}
+
+RegionConfig make_region(const std::string& tag, const std::string& mode, bool cpu_backup,
+                         const std::optional<std::string>& preferred,
+                         const std::optional<std::string>& accessed_by, bool read_mostly) {
+  if (tag.empty()) throw InvalidArgument("a tag must be a non-empty string");
+  RegionConfig region;
+  region.mode = parse_mode(mode);
+  region.tag = tag;
+  region.cpu_backup = cpu_backup;
+  region.active = true;
+  if (region.mode == Mode::kManaged) {
+    region.advice.preferred = parse_location(preferred);
+    if (accessed_by) region.advice.accessed_by = parse_location(accessed_by);
+    region.advice.read_mostly = read_mostly;
+  } else if (preferred || accessed_by || read_mostly) {
+    TUS_THROW(InvalidArgument,
+              "preferred_location, accessed_by and read_mostly apply to "
+              "mode='managed' only, not '"
+                  << mode << "'");
+  }
+  return region;
+}
+
+}  // namespace tus::bindings
