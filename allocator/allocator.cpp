@@ -554,6 +554,7 @@ StatsDict Allocator::stats() {
   out["host_pool_hits"] = static_cast<std::int64_t>(host_buffers_.hits());
   out["host_pool_misses"] = static_cast<std::int64_t>(host_buffers_.misses());
   out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
+  out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
   out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
   return out;
 }

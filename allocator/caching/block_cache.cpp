@@ -290,3 +290,13 @@ std::size_t BlockCache::cached_bytes() const {
 }
 
 }  // namespace tus
+
+namespace tus {
+
+std::size_t BlockCache::pending_bytes() const {
+  std::size_t bytes = 0;
+  for (const Block* block : pending_) bytes += block->size;
+  return bytes;
+}
+
+}  // namespace tus

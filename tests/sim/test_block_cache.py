@@ -91,6 +91,7 @@ def test_record_stream_delays_reuse_until_the_other_stream_is_done(driver, alloc
     driver.hold_events(True)  # stream B's work has not finished yet
     allocator.block_free(ptr)
     assert driver.call_counts()["event_record"] >= 1
+    assert allocator.stats()["block_cache_pending_bytes.current"] == 1 * MiB
     other = alloc(allocator, 1 * MiB, stream=STREAM_A)
     assert other != ptr
     driver.hold_events(False)  # now it has
