@@ -134,7 +134,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   if (placed.mode == Mode::kManaged) {
     managed_residency_.admit(placed, stream);
     try {
-      managed_residency_.enforce_budget(managed_segments_locked(), &placed, stream);
+      enforce_budget_locked(&placed, stream);
     } catch (const std::exception& error) {
       log_once("budget", std::string("device budget: eviction failed: ") + error.what());
     }
@@ -187,10 +187,17 @@ void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
   // A failure here costs placement, not correctness: the block is managed memory either way.
   try {
     managed_residency_.touch(segment, stream);
-    managed_residency_.enforce_budget(managed_segments_locked(), &segment, stream);
+    enforce_budget_locked(&segment, stream);
   } catch (const std::exception& error) {
     log_once("budget", std::string("device budget: re-admission failed: ") + error.what());
   }
+}
+
+void Allocator::enforce_budget_locked(const Segment* just_used, StreamHandle stream) {
+  // The usual case (no budget, or under it) costs a comparison, not a walk over the segments:
+  // this runs on every reuse of a managed block.
+  if (!managed_residency_.over_budget()) return;
+  managed_residency_.enforce_budget(managed_segments_locked(), just_used, stream);
 }
 
 std::vector<Segment*> Allocator::managed_segments_locked() {
@@ -265,7 +272,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   }
   const std::size_t scheduled = managed_residency_.prefetch(segment, ptr, size, to, stream);
   if (segment != nullptr && to.kind == MemLocation::Kind::kDevice) {
-    managed_residency_.enforce_budget(managed_segments_locked(), segment, stream);
+    enforce_budget_locked(segment, stream);
   }
   return scheduled;
 }
@@ -308,7 +315,7 @@ bool Allocator::is_managed(DevicePtr ptr) { return driver_->is_managed(device_, 
 void Allocator::set_device_budget(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   managed_residency_.set_budget(bytes);
-  managed_residency_.enforce_budget(managed_segments_locked(), nullptr, nullptr);
+  enforce_budget_locked(nullptr, nullptr);
 }
 
 std::size_t Allocator::device_budget() const {

@@ -137,6 +137,7 @@ class Allocator final : private SegmentSource {
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);
   std::vector<Segment*> managed_segments_locked();
+  void enforce_budget_locked(const Segment* just_used, StreamHandle stream);
   // SegmentSource, for the BlockCache; called with the mutex held.
   Segment& allocate_segment(std::size_t size, StreamHandle stream,
                             const RegionConfig& region) override;

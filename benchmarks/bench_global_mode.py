@@ -24,7 +24,7 @@ median of the children's medians with min and max, and the ratio to native.
 Targets (the global-mode issue), for global-managed: training step within 1.05x of native, and
 alloc/free (size mix) within 1.05x of native. global-device and the tight loop are informational.
 
-    python benchmarks/bench_global_mode.py [--reps 3]
+    python benchmarks/bench_global_mode.py [--reps 5]
         [--variants native,global-device,global-managed] [--steps 50] [--warmup 10]
         [--precision bf16|fp32] [--sizes 20000] [--live 256] [--passes 10] [--tight-kib 1024]
         [--tight-iters 20000] [--child-timeout 300] [--out FILE] [--plot FILE] [--strict]
@@ -45,6 +45,7 @@ import collections
 import gc
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -265,8 +266,22 @@ def child_measure(variant: str, tus, args) -> dict:
     return result
 
 
+def pin_to_one_core() -> int | None:
+    """Run the child on one fixed core: the loops are CPU-bound, and on a shared 16-core host the
+    scheduler moving them between cores made runs of the same variant differ by up to 1.8x."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+        core = cores[len(cores) // 2]
+        os.sched_setaffinity(0, {core})
+        return core
+    except (AttributeError, OSError):
+        return None
+
+
 def child(variant: str, args) -> int:
     try:
+        core = pin_to_one_core()
+        log(f"{variant}: pinned to core {core}")
         tus = install_hook(variant)
         result = child_measure(variant, tus, args)
     except Exception as error:
@@ -566,7 +581,7 @@ def parent(args) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="child processes per variant")
+    parser.add_argument("--reps", type=int, default=5, help="child processes per variant")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=50, help="timed training steps")
     parser.add_argument("--warmup", type=int, default=10, help="training steps before timing")

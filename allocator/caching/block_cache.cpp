@@ -114,11 +114,10 @@ DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const Region
                              std::size_t* block_bytes) {
   const std::size_t rounded = round_up(size == 0 ? 1 : size, kRound);
   Pool& pool = pool_for(region, rounded <= kSmallRequest);
+  // Blocks whose other streams have finished go back first, so they are found by the best fit
+  // (as PyTorch processes its events at every malloc). Nothing to do on the usual path.
+  if (!pending_.empty()) process_pending_frees(false);
   Block* block = best_fit(pool, stream, rounded);
-  if (block == nullptr && !pending_.empty()) {
-    process_pending_frees(false);
-    block = best_fit(pool, stream, rounded);
-  }
   if (block != nullptr) {
     source_.reuse_segment(*block->segment, stream);
   } else {

@@ -322,6 +322,8 @@ DevicePtr CudaDriver::mem_alloc_managed(int device, std::size_t size) {
 void CudaDriver::mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
                             MemLocation location) {
   ContextGuard guard(*this, device);
+  // Advice that ignores its location still needs a valid one (CUDA 13 rejects the invalid type).
+  if (location.is_none()) location = MemLocation::on_device(device);
   check(api(),
         api().cuMemAdvise(static_cast<CUdeviceptr>(ptr), size, static_cast<CUmem_advise>(advice),
                           to_cuda(location)),

@@ -231,6 +231,12 @@ void ManagedResidency::readmit(Segment& segment, StreamHandle stream) {
   prefetch_pages(segment, segment.ptr, segment.size, device, stream);
 }
 
+bool ManagedResidency::over_budget() const {
+  if (budget_ == 0) return false;
+  return static_cast<std::size_t>(stats_.mode(Mode::kManaged).managed_device_bytes.current) >
+         budget_;
+}
+
 void ManagedResidency::enforce_budget(const std::vector<Segment*>& managed_segments,
                                       const Segment* just_used, StreamHandle stream) {
   if (budget_ == 0) return;

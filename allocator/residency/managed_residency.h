@@ -76,6 +76,8 @@ class ManagedResidency {
   void enforce_budget(const std::vector<Segment*>& managed_segments, const Segment* just_used,
                       StreamHandle stream);
 
+  // A budget is set and the managed bytes placed on the device exceed it.
+  bool over_budget() const;
   void set_budget(std::size_t bytes) { budget_ = bytes; }
   std::size_t budget() const { return budget_; }
   void set_limit(std::optional<std::size_t> bytes) { limit_ = bytes; }
