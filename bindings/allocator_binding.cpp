@@ -55,6 +55,20 @@ py::dict segment_dict(const SegmentInfo& info) {
   return out;
 }
 
+// Python's malloc/block_malloc: region arguments as the Python side spells them, GIL released
+// around the call (it takes the allocator's lock).
+using AllocateMethod = DevicePtr (Allocator::*)(std::size_t, StreamHandle, const RegionConfig&);
+auto allocating(AllocateMethod method) {
+  return [method](Allocator& self, std::size_t size, const std::string& tag,
+                  const std::string& mode, bool cpu_backup, std::uintptr_t stream,
+                  const Location& preferred, const Location& accessed_by, bool read_mostly) {
+    const RegionConfig region =
+        make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
+    py::gil_scoped_release release;
+    return (self.*method)(size, reinterpret_cast<StreamHandle>(stream), region);
+  };
+}
+
 }  // namespace
 
 void bind_allocator(py::module_& module) {
@@ -69,35 +83,15 @@ void bind_allocator(py::module_& module) {
            py::arg("chunk_bytes") = AllocatorOptions{}.chunk_bytes)
       .def_property_readonly("device", &Allocator::device)
       .def_property_readonly("driver", &Allocator::driver)
-      .def(
-          "malloc",
-          [](Allocator& self, std::size_t size, const std::string& tag, const std::string& mode,
-             bool cpu_backup, std::uintptr_t stream, const Location& preferred,
-             const Location& accessed_by, bool read_mostly) {
-            const RegionConfig region =
-                make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
-            py::gil_scoped_release release;
-            return self.malloc(size, reinterpret_cast<StreamHandle>(stream), region);
-          },
-          py::arg("size"), py::arg("tag") = "default", py::arg("mode") = "vmm",
-          py::arg("cpu_backup") = false, py::arg("stream") = 0,
-          py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
-          py::arg("read_mostly") = false)
-      .def(
-          "block_malloc",
-          [](Allocator& self, std::size_t size, const std::string& tag, const std::string& mode,
-             bool cpu_backup, std::uintptr_t stream, const Location& preferred,
-             const Location& accessed_by, bool read_mostly) {
-            const RegionConfig region =
-                make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
-            py::gil_scoped_release release;
-            return self.block_malloc(size, reinterpret_cast<StreamHandle>(stream), region);
-          },
-          py::arg("size"), py::arg("tag") = "default", py::arg("mode") = "device",
-          py::arg("cpu_backup") = false, py::arg("stream") = 0,
-          py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
-          py::arg("read_mostly") = false,
-          "Allocate a block through the global-mode cache (what the global hook calls).")
+      .def("malloc", allocating(&Allocator::malloc), py::arg("size"), py::arg("tag") = "default",
+           py::arg("mode") = "vmm", py::arg("cpu_backup") = false, py::arg("stream") = 0,
+           py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
+           py::arg("read_mostly") = false, "A segment of its own (what torch hook mode calls).")
+      .def("block_malloc", allocating(&Allocator::block_malloc), py::arg("size"),
+           py::arg("tag") = "default", py::arg("mode") = "device", py::arg("cpu_backup") = false,
+           py::arg("stream") = 0, py::arg("preferred_location") = py::none(),
+           py::arg("accessed_by") = py::none(), py::arg("read_mostly") = false,
+           "A block from the global-mode cache (what the global hook calls).")
       .def("block_free", &Allocator::block_free, py::arg("ptr"),
            py::call_guard<py::gil_scoped_release>(),
            "Return a block to the global-mode cache; False if `ptr` is not a live block.")

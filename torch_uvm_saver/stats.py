@@ -2,11 +2,20 @@
 
 Keys are ``<name>.<scope>.<field>`` for gauges (fields ``current``, ``peak``, ``allocated``,
 ``freed``) and ``<name>.<scope>`` for counters and timers; the scope is ``all``, a mode (``vmm``,
-``device``) or ``tag:<tag>``. ``allocated_bytes == active_bytes + paused_bytes`` in every scope:
-allocated memory is either resident on the device or paused. ``reserved_bytes`` is the device
-memory held from the driver. Byte counts are rounded to the driver's granularity (2 MiB on NVIDIA
-GPUs). The host pool keys (``host_pool_bytes.current``, ``host_pool_cached_bytes.current``,
+``device``, ``managed``) or ``tag:<tag>``. ``allocated_bytes == active_bytes + paused_bytes`` in
+every scope: allocated memory is either resident on the device or paused. ``reserved_bytes`` is the
+device memory held from the driver. Byte counts are rounded to the driver's granularity (2 MiB on
+NVIDIA GPUs). The host pool keys (``host_pool_bytes.current``, ``host_pool_cached_bytes.current``,
 ``host_pool_hits``, ``host_pool_misses``) describe the pinned buffers kept for backups.
+
+Managed memory adds ``managed_bytes``, ``managed_device_bytes`` and ``managed_host_bytes`` (where
+our prefetches last placed it; its ``reserved_bytes`` are the device-placed ones),
+``prefetch_to_{device,host}_{bytes,seconds}`` (seconds of device time, from CUDA events),
+``num_prefetch_skipped``, ``num_budget_evictions``, ``budget_eviction_bytes`` and
+``num_managed_refusals``. The global hook mode adds ``block_bytes`` (tensors handed to PyTorch;
+``allocated_bytes`` are the segments they are cut from), ``num_block_cache_misses``,
+``num_alloc_retries``, ``block_cache_free_bytes.current`` and
+``block_cache_pending_bytes.current``.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ _COLUMNS = (
     ("active", "active_bytes", "current"),
     ("paused", "paused_bytes", "current"),
     ("cpu backup", "cpu_backup_bytes", "current"),
+    ("managed gpu", "managed_device_bytes", "current"),
+    ("managed cpu", "managed_host_bytes", "current"),
 )
 
 
@@ -80,6 +91,22 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
         f"({format_bytes(stats['host_pool_cached_bytes.current'])} idle), "
         f"{stats['host_pool_hits']} reuses, {stats['host_pool_misses']} new buffers"
     )
+    if stats["managed_bytes.all.current"] or stats["prefetch_to_host_bytes.all"]:
+        budget = stats["device_budget_bytes"]
+        lines.append(
+            f"managed: {format_bytes(stats['prefetch_to_device_bytes.all'])} prefetched to the "
+            f"GPU in {stats['prefetch_to_device_seconds.all']:.3f} s, "
+            f"{format_bytes(stats['prefetch_to_host_bytes.all'])} to the host in "
+            f"{stats['prefetch_to_host_seconds.all']:.3f} s; budget "
+            f"{format_bytes(budget) if budget else 'none'}, "
+            f"{stats['num_budget_evictions.all']} evictions"
+        )
+    if stats["block_bytes.all.current"] or stats["num_block_cache_misses.all"]:
+        lines.append(
+            f"global cache: {format_bytes(stats['block_bytes.all.current'])} in tensors, "
+            f"{format_bytes(stats['block_cache_free_bytes.current'])} free in the cache, "
+            f"{stats['num_block_cache_misses.all']} new segments"
+        )
     try:
         free, total = allocator.mem_get_info()
         lines.append(f"device: {format_bytes(free)} free of {format_bytes(total)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 from typing import Callable
 
 import pytest
@@ -106,3 +107,20 @@ def peek() -> Callable[[int, int], bytes]:
 @pytest.fixture
 def consistent() -> Callable[[_C.Allocator], dict[str, float]]:
     return assert_consistent
+
+
+@pytest.fixture
+def process() -> Iterator[tuple[_C.SimDriver, _C.Allocator]]:
+    """A fresh SimDriver installed as the process driver (what the package's functions use);
+    frees what the test left, and puts the managed limit and device budget back."""
+    driver = _C.SimDriver(256 * MiB, 1, 2 * MiB)
+    _C.install_driver(driver, chunk_bytes=4 * MiB)
+    allocator = _C.get_allocator(0)
+    assert allocator.driver.name == "sim"
+    yield driver, allocator
+    for segment in allocator.segments():
+        allocator.free(segment["ptr"])
+    allocator.release_host_cache()
+    allocator.set_managed_limit(None)
+    allocator.set_device_budget(0)
+    assert driver.used_bytes() == 0

@@ -20,15 +20,11 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def process():
-    """A fresh SimDriver as the process driver; checks nothing is left at the end."""
-    driver = _C.SimDriver(256 * MiB, 1, 2 * MiB)
-    _C.install_driver(driver, chunk_bytes=4 * MiB)
-    allocator = _C.get_allocator(0)
-    yield driver, allocator
+def process(process):
+    """The shared sim-process fixture, and no managed tensor may outlive its test."""
+    yield process
     gc.collect()
-    assert allocator.segments() == [], "a managed tensor outlived its test"
-    allocator.set_managed_limit(None)
+    assert process[1].segments() == [], "a managed tensor outlived its test"
 
 
 def test_is_managed_truth_table(process) -> None:

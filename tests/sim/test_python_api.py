@@ -27,20 +27,6 @@ from torch_uvm_saver.errors import (
 MiB = 1 << 20
 
 
-@pytest.fixture
-def process():
-    """Installs a fresh SimDriver as the process driver; frees what the test left at the end."""
-    driver = _C.SimDriver(256 * MiB, 1, 2 * MiB)
-    _C.install_driver(driver, chunk_bytes=4 * MiB)
-    allocator = _C.get_allocator(0)
-    assert allocator.driver.name == "sim"
-    yield driver, allocator
-    for segment in allocator.segments():
-        allocator.free(segment["ptr"])
-    allocator.release_host_cache()
-    assert driver.used_bytes() == 0
-
-
 def test_install_driver_is_refused_while_memory_is_held(process) -> None:
     driver, allocator = process
     allocator.malloc(2 * MiB, tag="held")
