@@ -53,6 +53,15 @@ def managed_region_tensors_are_managed_and_prefer_their_gpu() -> None:
     assert attributes["accessed_by"] == ["cuda:0"]
     y += 1  # read and written in place over the link
     assert float(y.sum()) == MiB
+    # Managed memory another library allocated (here straight from the driver) is managed too.
+    from torch_uvm_saver import _C
+
+    driver = _C.get_driver()
+    foreign = driver.mem_alloc_managed(0, MiB)
+    alias = torch.from_dlpack(_C.alias_capsule(foreign, MiB, "cuda", 0, None))
+    assert tus.is_managed(alias)
+    del alias
+    driver.mem_free(0, foreign)
 
 
 @scenario
