@@ -60,6 +60,7 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       copies_(*driver_, device),
       pauser_(*driver_, device, copies_, host_buffers_),
       managed_residency_(*driver_, device, managed_, stats_),
+      lms_(*driver_, device, vmm_, pauser_, stats_),
       blocks_(*driver_, device, *this) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
 }
@@ -97,11 +98,21 @@ std::string Allocator::memory_report_locked() {
 
 DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return allocate_segment_locked(size, stream, region).ptr;
+  try {
+    return allocate_segment_locked(size, stream, region).ptr;
+  } catch (const OutOfMemory&) {
+    count_oom_locked(region);
+    throw;
+  }
+}
+
+void Allocator::count_oom_locked(const RegionConfig& region) {
+  // Once per refused request, however many rungs of a ladder it climbed.
+  stats_.for_scopes(region.mode, region.tag, [](ScopeStats& scope) { ++scope.num_ooms; });
 }
 
 Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle stream,
-                                            const RegionConfig& region) {
+                                            const RegionConfig& region, bool single_block) {
   Backing& backing = backing_for(region.mode);
   auto segment = std::make_unique<Segment>();
   segment->requested = size;
@@ -118,10 +129,10 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     managed_residency_.check_guard(segment->size, region.tag);
   }
   tags_[region.tag];  // a tag exists from its first allocation on
+  if (region.mode == Mode::kLms) make_room_for_lms_locked(segment->size, region.tag);
   try {
     backing.allocate(*segment);
   } catch (const OutOfMemory& error) {
-    stats_.for_scopes(region.mode, region.tag, [](ScopeStats& scope) { ++scope.num_ooms; });
     Message message;
     message << "out of memory allocating " << format_bytes(segment->size) << " ("
             << mode_name(region.mode) << ", tag " << quoted(region.tag)
@@ -131,6 +142,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment));
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
+  if (placed.mode == Mode::kLms) lms_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
     managed_residency_.admit(placed, stream);
     try {
@@ -159,6 +171,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
   Segment& segment = *it->second;
   const Footprint before = footprint(segment);
   if (segment.mode == Mode::kManaged) managed_residency_.forget(segment);
+  if (segment.mode == Mode::kLms) lms_.forget(segment);
   try {
     backing_for(segment.mode).deallocate(segment);
   } catch (const CudaError& error) {
@@ -176,13 +189,61 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
 }
 
 Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
-                                     const RegionConfig& region) {
-  return allocate_segment_locked(size, stream, region);
+                                     const RegionConfig& region, bool single_block) {
+  return allocate_segment_locked(size, stream, region, single_block);
+}
+
+std::size_t Allocator::single_block_bytes(Mode mode) {
+  return mode == Mode::kLms ? lms_.size() : 0;
+}
+
+void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& tag) {
+  AllocDistribution& counts = lms_.distribution();
+  auto held = [&] { return static_cast<std::size_t>(stats_.all().reserved_bytes.current); };
+  const std::size_t limit = lms_.limit(held());
+  auto excess = [&] { return held() + size > limit ? held() + size - limit : 0; };
+  if (excess() == 0) {
+    ++counts.cudamalloc;
+    return;
+  }
+  blocks_.release_free_segments();  // step 2: the cache's free segments first
+  if (excess() == 0) {
+    ++counts.cudamalloc_retry;
+    return;
+  }
+  switch (lms_.reclaim(excess())) {  // step 3
+    case ReclaimRung::kOne:
+      ++counts.reclaim_one;
+      break;
+    case ReclaimRung::kFragments:
+      ++counts.reclaim_fragments;
+      break;
+    case ReclaimRung::kAll:
+      ++counts.reclaim_all;
+      break;
+    case ReclaimRung::kNone:
+      break;
+  }
+  if (excess() == 0) return;
+  const ScopeStats& lms = stats_.mode(Mode::kLms);
+  TUS_THROW(OutOfMemory, "lms: out of memory allocating "
+                             << format_bytes(size) << " (tag '" << tag << "') under the limit of "
+                             << format_bytes(limit) << ": " << format_bytes(held())
+                             << " held on the device, " << format_bytes(lms.pinned_bytes.current)
+                             << " of it pinned, " << format_bytes(lms_.inactive_bytes())
+                             << " inactive and reclaimable, "
+                             << format_bytes(lms.reclaimed_bytes.current)
+                             << " already paged out. Unpin tensors that are not in use, raise "
+                                "set_limit_lms, or lower set_size_lms so that more blocks can go");
 }
 
 void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
 
 void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
+  if (segment.mode == Mode::kLms) {
+    lms_.reuse(segment, stream);  // a page-in that fails fails the allocation
+    return;
+  }
   if (segment.mode != Mode::kManaged) return;
   // A failure here costs placement, not correctness: the block is managed memory either way.
   try {
@@ -221,8 +282,15 @@ DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
   const std::size_t misses = blocks_.counters().cache_misses;
   const std::size_t retries = blocks_.counters().alloc_retries;
   std::size_t bytes = 0;
-  const DevicePtr ptr = blocks_.malloc(size, stream, region, &bytes);
+  DevicePtr ptr = 0;
+  try {
+    ptr = blocks_.malloc(size, stream, region, &bytes);
+  } catch (const OutOfMemory&) {
+    count_oom_locked(region);
+    throw;
+  }
   const auto new_misses = static_cast<std::int64_t>(blocks_.counters().cache_misses - misses);
+  if (region.mode == Mode::kLms && new_misses == 0) ++lms_.distribution().freelist;
   const auto new_retries = static_cast<std::int64_t>(blocks_.counters().alloc_retries - retries);
   stats_.for_scopes(region.mode, region.tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(static_cast<std::int64_t>(bytes));
@@ -235,8 +303,9 @@ DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
 bool Allocator::block_free(DevicePtr ptr) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t bytes = 0;
-  const Segment* segment = nullptr;
+  Segment* segment = nullptr;
   if (!blocks_.free(ptr, &bytes, &segment)) return false;
+  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.discard_backup(*segment);
   stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
   });
@@ -312,6 +381,47 @@ RangeAttributes Allocator::range_attributes(DevicePtr ptr, std::size_t size) {
 
 bool Allocator::is_managed(DevicePtr ptr) { return driver_->is_managed(device_, ptr); }
 
+bool Allocator::pin(DevicePtr ptr, StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Segment* segment = segment_containing_locked(ptr);
+  if (segment == nullptr || segment->mode != Mode::kLms) return false;
+  lms_.pin(*segment, stream);
+  return true;
+}
+
+bool Allocator::unpin(DevicePtr ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Segment* segment = segment_containing_locked(ptr);
+  if (segment == nullptr || segment->mode != Mode::kLms) return false;
+  lms_.unpin(*segment);
+  return true;
+}
+
+void Allocator::set_lms_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lms_.set_limit(bytes);
+}
+
+std::size_t Allocator::lms_limit() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lms_.limit(static_cast<std::size_t>(stats_.all().reserved_bytes.current));
+}
+
+void Allocator::set_lms_size(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lms_.set_size(bytes);
+}
+
+std::size_t Allocator::lms_size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lms_.size();
+}
+
+std::size_t Allocator::reclaim_inactive() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lms_.reclaim_all();
+}
+
 void Allocator::set_device_budget(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   managed_residency_.set_budget(bytes);
@@ -381,7 +491,7 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (tag) {
     check_pausable_locked("pause", *tag);
-    for (Mode other : {Mode::kDevice, Mode::kManaged}) {
+    for (Mode other : {Mode::kDevice, Mode::kManaged, Mode::kLms}) {
       if (segments_of_locked(*tag, other).empty()) continue;
       TUS_THROW(InvalidArgument, "pause(" << quoted(*tag) << "): the tag holds memory of mode "
                                           << quoted(mode_name(other))
@@ -395,6 +505,7 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
   for (const auto& [name, state] : tags_) {
     if (!segments_of_locked(name, Mode::kDevice).empty()) continue;
     if (!segments_of_locked(name, Mode::kManaged).empty()) continue;
+    if (!segments_of_locked(name, Mode::kLms).empty()) continue;
     check_pausable_locked("pause", name);
     pausable.push_back(name);
   }
@@ -563,6 +674,16 @@ StatsDict Allocator::stats() {
   out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
   out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
   out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
+  out["lms_limit_bytes"] = static_cast<std::int64_t>(lms_.limit_setting());
+  out["lms_size_bytes"] = static_cast<std::int64_t>(lms_.size());
+  out["lms_inactive_bytes"] = static_cast<std::int64_t>(lms_.inactive_bytes());
+  const AllocDistribution& distribution = lms_.distribution();
+  out["alloc_distribution.freelist"] = distribution.freelist;
+  out["alloc_distribution.cudamalloc"] = distribution.cudamalloc;
+  out["alloc_distribution.reclaim_one"] = distribution.reclaim_one;
+  out["alloc_distribution.reclaim_fragments"] = distribution.reclaim_fragments;
+  out["alloc_distribution.reclaim_all"] = distribution.reclaim_all;
+  out["alloc_distribution.cudamalloc_retry"] = distribution.cudamalloc_retry;
   return out;
 }
 

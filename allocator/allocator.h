@@ -38,6 +38,7 @@
 #include "allocator/region_config.h"
 #include "allocator/residency/copy_engine.h"
 #include "allocator/residency/host_buffer_pool.h"
+#include "allocator/residency/lms_residency.h"
 #include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
 #include "allocator/segment.h"
@@ -103,6 +104,18 @@ class Allocator final : private SegmentSource {
   void set_managed_limit(std::optional<std::size_t> bytes);
   std::optional<std::size_t> managed_limit() const;
 
+  // Large Model Support (LmsResidency). pin/unpin take any address inside an `lms` segment and
+  // return false for memory that is not `lms` (nothing to do). set_lms_limit(0): 95% of the free
+  // plus held device memory at the first `lms` allocation.
+  bool pin(DevicePtr ptr, StreamHandle stream);
+  bool unpin(DevicePtr ptr);
+  void set_lms_limit(std::size_t bytes);
+  std::size_t lms_limit();
+  void set_lms_size(std::size_t bytes);
+  std::size_t lms_size() const;
+  // Pages out every inactive `lms` segment; returns the bytes paged out.
+  std::size_t reclaim_inactive();
+
   // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
   void enter_region(const RegionConfig& region);
   void exit_region(const std::string& tag);
@@ -133,16 +146,20 @@ class Allocator final : private SegmentSource {
 
   Backing& backing_for(Mode mode);
   Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
-                                   const RegionConfig& region);
+                                   const RegionConfig& region, bool single_block = false);
+  // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
+  void make_room_for_lms_locked(std::size_t size, const std::string& tag);
+  void count_oom_locked(const RegionConfig& region);
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);
   std::vector<Segment*> managed_segments_locked();
   void enforce_budget_locked(const Segment* just_used, StreamHandle stream);
   // SegmentSource, for the BlockCache; called with the mutex held.
-  Segment& allocate_segment(std::size_t size, StreamHandle stream,
-                            const RegionConfig& region) override;
+  Segment& allocate_segment(std::size_t size, StreamHandle stream, const RegionConfig& region,
+                            bool single_block) override;
   void release_segment(Segment& segment) override;
   void reuse_segment(Segment& segment, StreamHandle stream) override;
+  std::size_t single_block_bytes(Mode mode) override;
   TagState& known_tag_locked(const char* call, const std::string& tag);
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
@@ -163,6 +180,7 @@ class Allocator final : private SegmentSource {
   std::map<std::string, TagState> tags_;
   StatsBook stats_;
   ManagedResidency managed_residency_;
+  LmsResidency lms_;
   BlockCache blocks_;
 };
 

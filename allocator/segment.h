@@ -38,6 +38,25 @@ struct ManagedState {
   bool evicted = false;                  // the budget moved it to the host with host-side advice
 };
 
+// Large Model Support state of an `lms` segment (residency/lms_residency.h).
+enum class LmsState : int {
+  kInactive = 0,   // resident, no pins: on the reclaim list
+  kActive = 1,     // resident and pinned: never reclaimed
+  kReclaimed = 2,  // paged out: its bytes are on the host, its addresses hold no memory
+};
+
+struct Segment;
+
+struct LmsLinks {
+  int pins = 0;
+  LmsState state = LmsState::kInactive;
+  bool reclaimable = true;  // false below set_size_lms: never paged out
+  bool on_list = false;     // linked into the reclaim list
+  Segment* prev = nullptr;  // reclaim list neighbours (intrusive: no allocation)
+  Segment* next = nullptr;
+  StreamHandle stream = nullptr;  // the stream that last used it (allocation or pin)
+};
+
 struct Segment {
   DevicePtr ptr = 0;
   std::size_t requested = 0;  // bytes the client asked for
@@ -48,6 +67,7 @@ struct Segment {
   std::vector<Chunk> chunks;  // VMM segments only; a `device` segment is always resident
   HostBuffer backup;          // held while paused with backup, or retained after resume
   ManagedState managed;       // mode kManaged only
+  LmsLinks lms;               // mode kLms only
 
   bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
 

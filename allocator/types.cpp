@@ -14,6 +14,8 @@ const char* mode_name(Mode mode) {
       return "device";
     case Mode::kManaged:
       return "managed";
+    case Mode::kLms:
+      return "lms";
   }
   return "?";
 }
@@ -35,13 +37,9 @@ Mode parse_mode(const std::string& name) {
   if (name == "vmm") return Mode::kVmm;
   if (name == "device") return Mode::kDevice;
   if (name == "managed") return Mode::kManaged;
-  if (name == "lms") {
-    TUS_THROW(InvalidArgument,
-              "mode 'lms' is not available in this build yet; "
-              "the modes are 'vmm', 'device' and 'managed'");
-  }
+  if (name == "lms") return Mode::kLms;
   TUS_THROW(InvalidArgument,
-            "unknown mode '" << name << "'; the modes are 'vmm', 'device' and 'managed'");
+            "unknown mode '" << name << "'; the modes are 'vmm', 'device', 'managed' and 'lms'");
 }
 
 std::string location_name(const MemLocation& location) {

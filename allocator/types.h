@@ -23,8 +23,8 @@ struct MemInfo {
 };
 
 // How a region's memory is backed. The order is the order of the per-mode stats.
-enum class Mode : int { kVmm = 0, kDevice = 1, kManaged = 2 };
-constexpr int kNumModes = 3;
+enum class Mode : int { kVmm = 0, kDevice = 1, kManaged = 2, kLms = 3 };
+constexpr int kNumModes = 4;
 
 // Where managed memory lives or should live (CUmemLocation without the NUMA variants).
 struct MemLocation {

@@ -142,6 +142,23 @@ void bind_allocator(py::module_& module) {
       .def("set_managed_limit", &Allocator::set_managed_limit, py::arg("bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("managed_limit", &Allocator::managed_limit, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "pin",
+          [](Allocator& self, std::uintptr_t ptr, std::uintptr_t stream) {
+            return self.pin(ptr, reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("ptr"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+          "Pin the lms block holding `ptr` (paging it in if it was reclaimed); False if the "
+          "address is not lms memory.")
+      .def("unpin", &Allocator::unpin, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
+      .def("set_lms_limit", &Allocator::set_lms_limit, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("lms_limit", &Allocator::lms_limit, py::call_guard<py::gil_scoped_release>())
+      .def("set_lms_size", &Allocator::set_lms_size, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("lms_size", &Allocator::lms_size, py::call_guard<py::gil_scoped_release>())
+      .def("reclaim_inactive", &Allocator::reclaim_inactive,
+           py::call_guard<py::gil_scoped_release>())
       .def("free", &Allocator::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "enter_region",

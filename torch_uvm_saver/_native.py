@@ -11,7 +11,7 @@ from .errors import InvalidArgumentError
 
 DeviceLike = Union[int, str, torch.device, None]
 
-MODES = ("vmm", "device", "managed")
+MODES = ("vmm", "device", "managed", "lms")
 
 
 def device_index(device: DeviceLike = None) -> int:
@@ -65,10 +65,6 @@ def check_tag(tag: object) -> str:
 
 
 def check_mode(mode: object) -> str:
-    if mode == "lms":
-        raise InvalidArgumentError(
-            f"mode {mode!r} is not available in this version yet; the modes are {', '.join(MODES)}"
-        )
     if mode not in MODES:
         raise InvalidArgumentError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)}")
     return mode  # type: ignore[return-value]

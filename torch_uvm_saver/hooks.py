@@ -52,9 +52,9 @@ def hook_mode() -> str:
 
 def _install_global(default_mode: str, caller: str) -> None:
     global _pluggable
-    if default_mode not in ("device", "managed"):
+    if default_mode not in ("device", "managed", "lms"):
         raise InvalidArgumentError(
-            f"the global hook serves mode 'device' or 'managed', not {default_mode!r}"
+            f"the global hook serves mode 'device', 'managed' or 'lms', not {default_mode!r}"
         )
     with _install_lock:
         current = _C.global_hook()
@@ -92,8 +92,8 @@ def use_global_allocator(default_mode: str = "device") -> None:
     """Serve every CUDA allocation of the process from torch_uvm_saver's caching layer.
 
     ``default_mode`` is what allocations outside regions get: ``"device"`` (plain device memory,
-    the same memory PyTorch's allocator would use) or ``"managed"``. Must run before CUDA is
-    initialized; raises InvalidStateError afterwards.
+    the same memory PyTorch's allocator would use), ``"managed"`` or ``"lms"``. Must run before
+    CUDA is initialized; raises InvalidStateError afterwards.
     """
     _install_global(default_mode, "use_global_allocator()")
 

@@ -170,6 +170,12 @@ def region(
     _native.check_tag(tag)
     _native.check_mode(mode)
     config = _region_key(tag, mode, enable_cpu_backup, preferred_location, accessed_by, read_mostly)
+    if mode == "lms" and _C.global_hook() is None:
+        # Note [LMS blocks] (lms_residency.h): PyTorch's pools would split what LMS pages out.
+        raise InvalidStateError(
+            "region(mode='lms') needs the global hook: call tus.set_enabled_lms(True) (or "
+            "tus.use_global_allocator()) at the start of the program, before CUDA is initialized"
+        )
     _require_cuda()
     _warn_if_expandable_segments()
     index = _native.device_index(device)

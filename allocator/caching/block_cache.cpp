@@ -51,8 +51,8 @@ BlockCache::~BlockCache() {
   }
 }
 
-BlockCache::Pool& BlockCache::pool_for(const RegionConfig& region, bool small) {
-  PoolKey key{region.mode, region.tag, region.cpu_backup, region.advice, small};
+BlockCache::Pool& BlockCache::pool_for(const RegionConfig& region, bool small, bool single) {
+  PoolKey key{region.mode, region.tag, region.cpu_backup, region.advice, small, single};
   auto it = pools_.find(key);
   if (it == pools_.end()) {
     auto pool = std::make_unique<Pool>();
@@ -69,6 +69,7 @@ BlockCache::Block* BlockCache::best_fit(Pool& pool, StreamHandle stream, std::si
   auto it = pool.free_blocks.lower_bound(&probe);
   if (it == pool.free_blocks.end() || (*it)->stream != stream) return nullptr;
   Block* block = *it;
+  if (pool.key.single && block->size != size) return nullptr;  // never a bigger single block
   pool.free_blocks.erase(it);
   return block;
 }
@@ -76,12 +77,14 @@ BlockCache::Block* BlockCache::best_fit(Pool& pool, StreamHandle stream, std::si
 BlockCache::Block* BlockCache::new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
                                                  const RegionConfig& region) {
   std::size_t segment_size = round_up(size, 2 * kMiB);
-  if (pool.key.small) {
+  if (pool.key.single) {
+    // exactly its size
+  } else if (pool.key.small) {
     segment_size = kSmallSegment;
   } else if (size <= kMediumRequest) {
     segment_size = kMediumSegment;
   }
-  Segment& segment = source_.allocate_segment(segment_size, stream, region);
+  Segment& segment = source_.allocate_segment(segment_size, stream, region, pool.key.single);
   auto* block = new Block;
   block->ptr = segment.ptr;
   block->size = segment.size;
@@ -92,6 +95,7 @@ BlockCache::Block* BlockCache::new_segment_block(Pool& pool, std::size_t size, S
 }
 
 void BlockCache::split(Block* block, std::size_t size) {
+  if (block->pool->key.single) return;
   const std::size_t remaining = block->size - size;
   const bool worth_it =
       block->pool->key.small ? remaining >= kRound : remaining > kLargeSplitRemainder;
@@ -112,15 +116,16 @@ void BlockCache::split(Block* block, std::size_t size) {
 
 DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
                              std::size_t* block_bytes) {
-  const std::size_t rounded = round_up(size == 0 ? 1 : size, kRound);
-  Pool& pool = pool_for(region, rounded <= kSmallRequest);
+  std::size_t rounded = round_up(size == 0 ? 1 : size, kRound);
+  const std::size_t single_from = source_.single_block_bytes(region.mode);
+  const bool single = single_from > 0 && rounded >= single_from;
+  if (single) rounded = round_up(rounded, 2 * kMiB);
+  Pool& pool = pool_for(region, !single && rounded <= kSmallRequest, single);
   // Blocks whose other streams have finished go back first, so they are found by the best fit
   // (as PyTorch processes its events at every malloc). Nothing to do on the usual path.
   if (!pending_.empty()) process_pending_frees(false);
-  Block* block = best_fit(pool, stream, rounded);
-  if (block != nullptr) {
-    source_.reuse_segment(*block->segment, stream);
-  } else {
+  Block* block = take_cached(pool, stream, rounded);
+  if (block == nullptr) {
     ++counters_.cache_misses;
     try {
       block = new_segment_block(pool, rounded, stream, region);
@@ -129,12 +134,8 @@ DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const Region
       ++counters_.alloc_retries;
       process_pending_frees(true);
       release_free_segments();
-      block = best_fit(pool, stream, rounded);
-      if (block != nullptr) {
-        source_.reuse_segment(*block->segment, stream);
-      } else {
-        block = new_segment_block(pool, rounded, stream, region);
-      }
+      block = take_cached(pool, stream, rounded);
+      if (block == nullptr) block = new_segment_block(pool, rounded, stream, region);
     }
   }
   split(block, rounded);
@@ -142,6 +143,18 @@ DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const Region
   live_[block->ptr] = block;
   *block_bytes = block->size;
   return block->ptr;
+}
+
+BlockCache::Block* BlockCache::take_cached(Pool& pool, StreamHandle stream, std::size_t size) {
+  Block* block = best_fit(pool, stream, size);
+  if (block == nullptr) return nullptr;
+  try {
+    source_.reuse_segment(*block->segment, stream);
+  } catch (...) {
+    pool.free_blocks.insert(block);  // still cached; the allocation fails
+    throw;
+  }
+  return block;
 }
 
 void BlockCache::return_to_pool(Block* block) {
@@ -173,7 +186,7 @@ void BlockCache::return_to_pool(Block* block) {
   pool.free_blocks.insert(block);
 }
 
-bool BlockCache::free(DevicePtr ptr, std::size_t* block_bytes, const Segment** segment) {
+bool BlockCache::free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment) {
   auto it = live_.find(ptr);
   if (it == live_.end()) return false;
   Block* block = it->second;

@@ -4,8 +4,10 @@
 //
 //  - Requests are rounded to 512 bytes. Requests up to 1 MiB come from 2 MiB segments (the small
 //    pool), up to 10 MiB from 20 MiB segments, larger ones from a segment of their own rounded to
-//    2 MiB. Segments come from the Allocator (SegmentSource), so they carry the region's mode,
-//    tag and backup setting, pause and resume with their tag, and count in the stats.
+//    2 MiB. Where the SegmentSource asks for single blocks (LMS), requests past its threshold get
+//    a segment of exactly their 2 MiB-rounded size, handed out again only for that size. Segments
+//    come from the Allocator (SegmentSource), so they carry the region's mode, tag and backup
+//    setting, pause and resume with their tag, and count in the stats.
 //  - Best fit: the smallest free block of the same pool and stream that is large enough. The
 //    rest of it is split off as a free block if at least 512 bytes (small pool) or more than
 //    1 MiB (large pools) remain; on free a block merges with free neighbours of its segment.
@@ -41,12 +43,17 @@ namespace tus {
 class SegmentSource {
  public:
   virtual ~SegmentSource() = default;
-  // A new segment of at least `size` bytes for `region`; throws OutOfMemory.
+  // A new segment of at least `size` bytes for `region`; `single_block` when it will hold exactly
+  // one block, never split. Throws OutOfMemory.
   virtual Segment& allocate_segment(std::size_t size, StreamHandle stream,
-                                    const RegionConfig& region) = 0;
+                                    const RegionConfig& region, bool single_block) = 0;
   virtual void release_segment(Segment& segment) = 0;
-  // A cached block of `segment` is about to be handed out again.
+  // A cached block of `segment` is about to be handed out again; may throw (then the block stays
+  // cached and the allocation fails).
   virtual void reuse_segment(Segment& segment, StreamHandle stream) = 0;
+  // Requests of at least this many bytes in `mode` get a segment of their own, never split
+  // (0: none do). LMS pages out whole segments (Note [LMS blocks] in lms_residency.h).
+  virtual std::size_t single_block_bytes(Mode mode) = 0;
 };
 
 struct BlockCacheCounters {
@@ -71,9 +78,8 @@ class BlockCache {
   // Returns the block's address; `block_bytes` receives its rounded size.
   DevicePtr malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
                    std::size_t* block_bytes);
-  // Returns false if `ptr` is not a live block; otherwise its rounded size and the segment's
-  // mode/tag through `freed`.
-  bool free(DevicePtr ptr, std::size_t* block_bytes, const Segment** segment);
+  // Returns false if `ptr` is not a live block; otherwise its rounded size and its segment.
+  bool free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment);
   // Note [Stream-ordered reuse]. Throws InvalidArgument for an address that is not a live block.
   void record_stream(DevicePtr ptr, StreamHandle stream);
   // Gives wholly free segments back (after a device synchronize); returns their bytes.
@@ -97,14 +103,18 @@ class BlockCache {
     bool cpu_backup;
     ManagedAdvice advice;
     bool small;
+    bool single;  // one block per segment, never split
     bool operator<(const PoolKey& other) const {
-      return std::tie(mode, tag, cpu_backup, advice, small) <
-             std::tie(other.mode, other.tag, other.cpu_backup, other.advice, other.small);
+      return std::tie(mode, tag, cpu_backup, advice, small, single) <
+             std::tie(other.mode, other.tag, other.cpu_backup, other.advice, other.small,
+                      other.single);
     }
   };
 
-  Pool& pool_for(const RegionConfig& region, bool small);
+  Pool& pool_for(const RegionConfig& region, bool small, bool single);
   Block* best_fit(Pool& pool, StreamHandle stream, std::size_t size);
+  // best_fit, and the source told the block is in use again.
+  Block* take_cached(Pool& pool, StreamHandle stream, std::size_t size);
   Block* new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
                            const RegionConfig& region);
   void split(Block* block, std::size_t size);

@@ -24,8 +24,8 @@ void PauseController::drop_backup(Segment& segment) {
 }
 
 void PauseController::pause(const std::vector<Segment*>& segments, Backing& backing,
-                            const BackupPolicy& policy) {
-  driver_.device_synchronize(device_);  // Note [Pause ordering]
+                            const BackupPolicy& policy, bool fenced) {
+  if (!fenced) driver_.device_synchronize(device_);  // Note [Pause ordering]
 
   // 1. Host buffers for every segment that keeps its contents. Failing here changes nothing.
   std::vector<Segment*> new_buffers;

@@ -46,7 +46,10 @@ class PauseController {
   PauseController(Driver& driver, int device, CopyEngine& copies, HostBufferPool& buffers)
       : driver_(driver), device_(device), copies_(copies), buffers_(buffers) {}
 
-  void pause(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
+  // `fenced`: the caller has already made sure no queued work uses the segments (LMS page-out
+  // waits for the segment's own stream), so the device-wide synchronize is skipped.
+  void pause(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy,
+             bool fenced = false);
   void resume(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
 
  private:

@@ -39,8 +39,16 @@ inline Footprint footprint(const Segment& segment) {
   const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
   print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
   print.active = resident;
-  print.paused = print.allocated - resident;
   print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
+  if (segment.mode == Mode::kLms) {
+    // What is not resident is reclaimed (paged out), not paused.
+    print.reclaimed_bytes = print.allocated - resident;
+    print.reclaimed = print.reclaimed_bytes > 0 ? 1 : 0;
+    print.pinned = segment.lms.pins > 0 ? 1 : 0;
+    print.pinned_bytes = segment.lms.pins > 0 ? print.allocated : 0;
+    return print;
+  }
+  print.paused = print.allocated - resident;
   return print;
 }
 

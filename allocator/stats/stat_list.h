@@ -4,7 +4,8 @@
 #pragma once
 
 // Gauges: current, peak, allocated (sum of increases), freed (sum of decreases). Bytes are
-// rounded to the backing's granularity, so allocated_bytes == active_bytes + paused_bytes.
+// rounded to the backing's granularity, so allocated_bytes == active_bytes + paused_bytes +
+// reclaimed_bytes.
 #define TUS_GAUGE_STATS(X)                                                            \
   X(allocated_bytes, "bytes of segments handed to the client, paused ones included")  \
   X(requested_bytes, "bytes the client asked for (before rounding)")                  \
@@ -16,7 +17,11 @@
   X(managed_bytes, "allocated bytes of managed memory")                               \
   X(managed_device_bytes, "managed bytes our prefetches last placed on the device")   \
   X(managed_host_bytes, "managed bytes our prefetches last placed on the host")       \
-  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)")
+  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)") \
+  X(pinned, "lms segments pinned (in use: never reclaimed)")                          \
+  X(pinned_bytes, "bytes of pinned lms segments")                                     \
+  X(reclaimed, "lms segments paged out to the host")                                  \
+  X(reclaimed_bytes, "bytes of paged-out lms segments (allocated, not on the device)")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
 #define TUS_COUNTER_STATS(X)                                                              \
@@ -33,11 +38,17 @@
   X(budget_eviction_bytes, "managed bytes the device budget moved to the host")           \
   X(num_managed_refusals, "managed allocations the oversubscription guard refused")       \
   X(num_block_cache_misses, "global-mode allocations that needed a new segment")          \
-  X(num_alloc_retries, "allocations retried after the global-mode cache was emptied")
+  X(num_alloc_retries, "allocations retried after the global-mode cache was emptied")     \
+  X(num_pageouts, "lms segments paged out")                                               \
+  X(num_pageins, "lms segments paged back in")                                            \
+  X(pageout_bytes, "bytes copied to the host by lms page-outs")                           \
+  X(pagein_bytes, "bytes copied back by lms page-ins")
 
 // Timers: seconds spent, summed over calls.
 #define TUS_TIMER_STATS(X)                                                               \
   X(pause_seconds, "wall time spent in pause, device synchronize included")              \
   X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")   \
   X(prefetch_to_device_seconds, "device time of prefetches to the device (CUDA events)") \
-  X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")
+  X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")     \
+  X(pageout_seconds, "wall time of lms page-outs, fence on the last stream included")    \
+  X(pagein_seconds, "wall time of lms page-ins, until the bytes are back")

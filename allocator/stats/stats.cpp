@@ -15,6 +15,10 @@ void apply_to(ScopeStats& scope, const Footprint& before, const Footprint& after
   scope.managed_bytes.change(after.managed - before.managed);
   scope.managed_device_bytes.change(after.managed_device - before.managed_device);
   scope.managed_host_bytes.change(after.managed_host - before.managed_host);
+  scope.pinned.change(after.pinned - before.pinned);
+  scope.pinned_bytes.change(after.pinned_bytes - before.pinned_bytes);
+  scope.reclaimed.change(after.reclaimed - before.reclaimed);
+  scope.reclaimed_bytes.change(after.reclaimed_bytes - before.reclaimed_bytes);
 }
 
 void reset_scope_peaks(ScopeStats& scope) {

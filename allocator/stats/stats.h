@@ -54,6 +54,10 @@ struct Footprint {
   std::int64_t managed = 0;
   std::int64_t managed_device = 0;
   std::int64_t managed_host = 0;
+  std::int64_t pinned = 0;
+  std::int64_t pinned_bytes = 0;
+  std::int64_t reclaimed = 0;
+  std::int64_t reclaimed_bytes = 0;
 };
 
 using StatValue = std::variant<std::int64_t, double>;

@@ -12,13 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from lms_scenarios import SCENARIOS as LMS_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from scenarios import SCENARIOS
 
 HERE = Path(__file__).parent
-CASES = [("scenarios.py", name) for name in sorted(SCENARIOS)] + [
-    ("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)
-]
+CASES = (
+    [("scenarios.py", name) for name in sorted(SCENARIOS)]
+    + [("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)]
+    + [("lms_scenarios.py", name) for name in sorted(LMS_SCENARIOS)]
+)
 
 
 @pytest.mark.gpu

@@ -61,13 +61,15 @@ def scopes_of(stats: dict[str, float]) -> set[str]:
 
 
 def assert_consistent(allocator: _C.Allocator) -> dict[str, float]:
-    """Checks allocated == active + paused (and no gauge below 0) in every scope; returns stats."""
+    """Checks allocated == active + paused + reclaimed (and no gauge below 0) in every scope;
+    returns the stats."""
     stats = allocator.stats()
     for scope in scopes_of(stats):
         allocated = stats[f"allocated_bytes.{scope}.current"]
         active = stats[f"active_bytes.{scope}.current"]
         paused = stats[f"paused_bytes.{scope}.current"]
-        assert allocated == active + paused, (scope, allocated, active, paused)
+        reclaimed = stats[f"reclaimed_bytes.{scope}.current"]
+        assert allocated == active + paused + reclaimed, (scope, allocated, active, paused)
         for gauge in GAUGES:
             assert stats[f"{gauge}.{scope}.current"] >= 0, (gauge, scope)
     return stats

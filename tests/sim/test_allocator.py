@@ -48,7 +48,7 @@ def test_stats_keys_per_scope(allocator) -> None:
     allocator.malloc(4 * MiB, tag="weights")
     allocator.malloc(1000, tag="buffers", mode="device")
     stats = allocator.stats()
-    scopes = ("all", "vmm", "device", "managed", "tag:weights", "tag:buffers")
+    scopes = ("all", "vmm", "device", "managed", "lms", "tag:weights", "tag:buffers")
     for scope in scopes:
         for gauge in (
             "allocated_bytes",
@@ -176,8 +176,6 @@ def test_device_mode_allocates_but_cannot_pause(driver, allocator, fill, peek) -
 def test_unknown_mode(allocator) -> None:
     with pytest.raises(InvalidArgumentError, match="unknown mode 'bogus'"):
         allocator.malloc(2 * MiB, mode="bogus")
-    with pytest.raises(InvalidArgumentError, match="'lms' is not available"):
-        allocator.malloc(2 * MiB, mode="lms")
 
 
 def test_empty_tag(allocator) -> None:

@@ -185,7 +185,7 @@ def test_set_enabled_uvm_needs_cuda() -> None:
     with pytest.raises(InvalidStateError, match="needs a CUDA device"):
         tus.set_enabled_uvm(True)
     tus.set_enabled_uvm(False)  # off stays off
-    with pytest.raises(InvalidArgumentError, match="'device' or 'managed'"):
+    with pytest.raises(InvalidArgumentError, match="'device', 'managed' or 'lms'"):
         tus.use_global_allocator("vmm")
 
 

@@ -151,7 +151,7 @@ def test_region_needs_cuda() -> None:
 
 def test_region_argument_errors() -> None:
     with (
-        pytest.raises(InvalidArgumentError, match="'lms' is not available"),
+        pytest.raises(InvalidStateError, match="global hook"),
         tus.region("api-r", mode="lms"),
     ):
         pass

@@ -1,0 +1,111 @@
+// LmsResidency: Large Model Support (IBM's LMS for PyTorch, as a library) for the `lms` segments
+// of one device. A segment is pinned while in use (pin counts), inactive otherwise (on the
+// intrusive ReclaimList, least recently used first), or reclaimed: its bytes paged out to pooled
+// pinned host memory and its physical memory released, its addresses kept (VMM). Pinning a
+// reclaimed segment pages it back in at the same addresses.
+//
+// Note [LMS blocks]
+//  A segment can only go out when nothing in it is in use. PyTorch's pools split segments among
+//  tensors, so LMS runs in the global hook mode, where our block cache gives every block of at
+//  least set_size_lms() bytes a segment of its own (the unit of page-out) and packs smaller ones
+//  into shared segments that are never reclaimed.
+//
+// Note [LMS ordering]
+//  Page-out first waits on the host for an event recorded on the stream that last used the
+//  segment (its allocation stream, or the stream of its last pin), so no queued kernel still reads
+//  it; other streams are not waited for. The copy to the host then runs on the copy engine's
+//  stream and the memory is unmapped once the copy is done (PauseController, without its
+//  device-wide synchronize). Page-in maps fresh memory and returns once the copy back is done, so
+//  every stream sees the bytes.
+//
+// Note [The allocation ladder]
+//  When an `lms` allocation would take the device memory we hold past the limit, the Allocator
+//  climbs: (1) a cached block (counted as alloc_distribution.freelist), else a fresh segment under
+//  the limit (cudamalloc); (2) release the global-mode cache's free segments and retry
+//  (cudamalloc_retry); (3) reclaim: one inactive segment, the smallest that covers the excess,
+//  least recently used among equals (reclaim_one), else inactive segments LRU first until the
+//  excess is covered (reclaim_fragments), else every inactive one (reclaim_all); (4) out of
+//  memory, with the numbers in the message.
+//
+// Not thread-safe: the Allocator calls it under its mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "allocator/backing/backing.h"
+#include "allocator/driver/driver.h"
+#include "allocator/residency/pause_controller.h"
+#include "allocator/residency/reclaim_list.h"
+#include "allocator/segment.h"
+#include "allocator/stats/stats.h"
+
+namespace tus {
+
+// IBM LMS's alloc_distribution: which rung of the ladder served each `lms` allocation.
+struct AllocDistribution {
+  std::int64_t freelist = 0;
+  std::int64_t cudamalloc = 0;
+  std::int64_t reclaim_one = 0;
+  std::int64_t reclaim_fragments = 0;
+  std::int64_t reclaim_all = 0;
+  std::int64_t cudamalloc_retry = 0;
+};
+
+enum class ReclaimRung { kNone, kOne, kFragments, kAll };
+
+class LmsResidency {
+ public:
+  static constexpr std::size_t kDefaultSize = 1 * kMiB;
+
+  LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
+               StatsBook& stats);
+  ~LmsResidency();
+  LmsResidency(const LmsResidency&) = delete;
+  LmsResidency& operator=(const LmsResidency&) = delete;
+
+  // 0: 95% of (free + held) device memory, measured at the first `lms` allocation.
+  void set_limit(std::size_t bytes) { limit_ = bytes; }
+  std::size_t limit_setting() const { return limit_; }
+  std::size_t limit(std::size_t held_bytes);
+  void set_size(std::size_t bytes) { size_ = bytes; }
+  std::size_t size() const { return size_; }
+
+  // A new segment; `single_block` when it holds exactly one block (Note [LMS blocks]).
+  void admit(Segment& segment, bool single_block, StreamHandle stream);
+  void forget(Segment& segment);
+  // Throws InvalidState for unpin of a segment that is not pinned.
+  void pin(Segment& segment, StreamHandle stream);
+  void unpin(Segment& segment);
+  // A cached block of `segment` is handed out again (it is back in before it is used).
+  void reuse(Segment& segment, StreamHandle stream);
+  // The last block of a reclaimed segment was freed: its paged-out bytes are dead.
+  void discard_backup(Segment& segment);
+
+  // Note [The allocation ladder], step 3: pages out inactive segments for `excess` bytes.
+  ReclaimRung reclaim(std::size_t excess);
+  // reclaim_inactive(): every inactive segment; returns the bytes paged out.
+  std::size_t reclaim_all();
+  std::size_t inactive_bytes() const { return list_.bytes(); }
+  AllocDistribution& distribution() { return distribution_; }
+
+ private:
+  std::size_t page_out(Segment& segment);
+  void page_in(Segment& segment, StreamHandle stream);
+  EventHandle fence_event();
+
+  Driver& driver_;
+  const int device_;
+  Backing& backing_;
+  PauseController& mover_;
+  StatsBook& stats_;
+  ReclaimList list_;
+  AllocDistribution distribution_;
+  std::size_t limit_ = 0;
+  std::size_t default_limit_ = 0;  // measured once, when limit_ is 0
+  std::size_t size_ = kDefaultSize;
+  EventHandle fence_ = nullptr;
+};
+
+}  // namespace tus

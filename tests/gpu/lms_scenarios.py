@@ -1,0 +1,109 @@
+"""GPU scenarios of Large Model Support, one per fresh process: `python lms_scenarios.py NAME`
+(test_scenarios.py runs them all). LMS needs the global hook, which must come before CUDA is
+initialized, so runs that compare settings are child processes of their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Callable
+
+MiB = 1 << 20
+SCENARIOS: dict[str, Callable[[], None]] = {}
+
+
+def scenario(function: Callable[[], None]) -> Callable[[], None]:
+    SCENARIOS[function.__name__] = function
+    return function
+
+
+TRAIN_SCRIPT = r"""
+import json, sys
+import torch
+import torch_uvm_saver as tus
+limit = int(sys.argv[1])
+tus.set_enabled_lms(True)
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+width, depth, batch = 2048, 12, 4096
+layers = []
+for _ in range(depth):
+    layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+model = torch.nn.Sequential(*layers).cuda()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+data = torch.randn(batch, width, device="cuda")
+target = torch.randn(batch, width, device="cuda")
+if limit:
+    tus.set_limit_lms(limit)
+tus.reset_peak_memory_stats()
+losses = []
+for step in range(6):
+    with tus.lms_mode():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(data), target)
+        loss.backward()
+        optimizer.step()
+    losses.append(loss.item())
+torch.cuda.synchronize()
+stats = tus.memory_stats()
+keys = ("reserved_bytes.all.peak", "num_pageouts.lms", "num_pageins.lms", "pageout_bytes.lms",
+        "pagein_bytes.lms", "reclaimed_bytes.lms.current")
+result = {key: stats[key] for key in keys}
+result.update({k: v for k, v in stats.items() if k.startswith("alloc_distribution.")})
+print("RESULT " + json.dumps({"losses": losses, "limit": tus.get_limit_lms(), **result}))
+"""
+
+
+def train(limit: int) -> dict:
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    done = subprocess.run(
+        [sys.executable, "-c", TRAIN_SCRIPT, str(limit)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@scenario
+def training_under_half_the_footprint_matches_unlimited() -> None:
+    free = train(0)
+    peak = free["reserved_bytes.all.peak"]
+    print(f"unlimited: peak {peak / MiB:.0f} MiB, losses {free['losses']}")
+    assert free["num_pageouts.lms"] == 0
+    limited = train(peak // 2)
+    summary = {key: value for key, value in limited.items() if key != "losses"}
+    print(f"limit {peak // 2 / MiB:.0f} MiB: losses {limited['losses']}")
+    print(json.dumps(summary, indent=1))
+    assert limited["losses"] == free["losses"]  # every byte came back as it went out
+    assert limited["reserved_bytes.all.peak"] <= peak // 2
+    assert limited["num_pageouts.lms"] > 0 and limited["num_pageins.lms"] > 0
+    assert limited["pagein_bytes.lms"] > 0
+
+
+@scenario
+def pinned_tensor_survives_reclaim_inactive() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+
+    tus.set_enabled_lms(True)
+    keep = torch.arange(8 * MiB, dtype=torch.int32, device="cuda")
+    out = torch.full((8 * MiB,), 7, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    with tus.pinned(keep):
+        moved = tus.reclaim_inactive()
+        print(f"reclaimed {moved / MiB:.0f} MiB")
+        assert moved >= 32 * MiB  # `out` (and anything else inactive), never `keep`
+        assert int(keep[-1]) == 8 * MiB - 1
+    with tus.pinned(out):  # pages it back in at the same address
+        assert int(out.sum()) == 7 * 8 * MiB
+    stats = tus.memory_stats()
+    assert stats["num_pageins.lms"] >= 1 and stats["reclaimed_bytes.lms.current"] >= 0
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    SCENARIOS[name]()
+    print(f"SCENARIO {name} OK", flush=True)

@@ -1,0 +1,204 @@
+"""Large Model Support on the simulated driver, through the global-mode block cache: the reclaim
+order and the allocation ladder, pinned blocks never reclaimed, bytes identical after page-out
+and page-in, freeing a reclaimed block, driver failures in the middle of a page-out or page-in,
+and the stats with LMS's names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_uvm_saver as tus
+from torch_uvm_saver.errors import CudaError, InvalidStateError, OutOfMemoryError
+
+MiB = 1 << 20
+STREAM = 0x1000
+
+
+@pytest.fixture
+def lms(allocator):
+    allocator.set_lms_limit(16 * MiB)
+    return allocator
+
+
+def block(allocator, size=4 * MiB) -> int:
+    return allocator.block_malloc(size, mode="lms", stream=STREAM)
+
+
+def resident(allocator, ptr) -> bool:
+    (segment,) = [s for s in allocator.segments() if s["ptr"] <= ptr < s["ptr"] + s["size"]]
+    return segment["resident"] == segment["size"]
+
+
+def test_least_recently_used_goes_first(lms, consistent) -> None:
+    ptrs = [block(lms) for _ in range(4)]  # 16 MiB: at the limit
+    assert all(resident(lms, p) for p in ptrs)
+    fifth = block(lms)  # 4 MiB over: one block of 4 MiB covers it, the oldest
+    assert not resident(lms, ptrs[0])
+    assert all(resident(lms, p) for p in [*ptrs[1:], fifth])
+    stats = consistent(lms)
+    assert stats["alloc_distribution.reclaim_one"] == 1
+    assert stats["alloc_distribution.cudamalloc"] == 4
+    assert stats["reclaimed.lms.current"] == 1
+    assert stats["reclaimed_bytes.lms.current"] == 4 * MiB
+    assert stats["num_pageouts.lms"] == 1
+    assert stats["pageout_bytes.lms"] == 4 * MiB
+    assert stats["reserved_bytes.all.current"] <= 16 * MiB
+
+
+def test_pinned_blocks_are_never_reclaimed(lms) -> None:
+    ptrs = [block(lms) for _ in range(4)]
+    assert lms.pin(ptrs[0], STREAM) and lms.pin(ptrs[1], STREAM)
+    stats = lms.stats()
+    assert stats["pinned.lms.current"] == 2 and stats["pinned_bytes.lms.current"] == 8 * MiB
+    block(lms)
+    assert resident(lms, ptrs[0]) and resident(lms, ptrs[1])
+    assert not resident(lms, ptrs[2])  # the least recently used of the unpinned ones
+    assert lms.reclaim_inactive() == 8 * MiB  # ptrs[3] and the fifth
+    assert resident(lms, ptrs[0]) and resident(lms, ptrs[1])
+    assert lms.unpin(ptrs[0])
+    assert lms.reclaim_inactive() == 4 * MiB
+
+
+def test_smallest_sufficient_block_then_fragments(lms) -> None:
+    big = block(lms, 8 * MiB)
+    small = [block(lms, 2 * MiB) for _ in range(4)]  # 16 MiB held, big is the oldest
+    block(lms, 2 * MiB)  # 2 MiB over: the smallest block that covers it, not the oldest
+    assert resident(lms, big)
+    assert not resident(lms, small[0])
+    assert lms.pin(big, STREAM)
+    lms.set_lms_limit(14 * MiB)
+    block(lms, 4 * MiB)  # 16 + 4 - 14 = 6 MiB over, no single block covers it: fragments
+    stats = lms.stats()
+    assert stats["alloc_distribution.reclaim_fragments"] == 1
+    assert stats["reclaimed.lms.current"] == 4  # small[0] before, and three 2 MiB blocks now
+
+
+def test_out_of_memory_reports_the_numbers(lms) -> None:
+    ptrs = [block(lms) for _ in range(4)]
+    for ptr in ptrs[:3]:
+        lms.pin(ptr, STREAM)
+    with pytest.raises(OutOfMemoryError, match=r"under the limit of 16\.00 MiB") as error:
+        block(lms, 8 * MiB)  # 8 over, 4 reclaimable: reclaim all, still too much
+    message = str(error.value)
+    assert "12.00 MiB of it pinned" in message and "set_limit_lms" in message
+    stats = lms.stats()
+    assert stats["alloc_distribution.reclaim_all"] == 1
+    assert stats["num_ooms.lms"] == 1
+    assert not resident(lms, ptrs[3])
+
+
+def test_bytes_survive_page_out_and_in(lms, fill, peek, consistent) -> None:
+    ptrs = [block(lms) for _ in range(4)]
+    data = [fill(p, 4 * MiB) for p in ptrs]
+    assert lms.reclaim_inactive() == 16 * MiB
+    assert consistent(lms)["reserved_bytes.lms.current"] == 0
+    for ptr, expected in zip(ptrs, data):
+        assert lms.pin(ptr, STREAM)  # pages it in at the same address
+        assert peek(ptr, 4 * MiB) == expected
+        lms.unpin(ptr)
+    stats = consistent(lms)
+    assert stats["num_pageins.lms"] == 4 and stats["pagein_bytes.lms"] == 16 * MiB
+    assert stats["reclaimed_bytes.lms.current"] == 0
+
+
+def test_freeing_a_reclaimed_block_needs_no_page_in(driver, lms, consistent) -> None:
+    ptr = block(lms)
+    lms.reclaim_inactive()
+    assert lms.block_free(ptr)
+    copies = driver.call_counts().get("copy_host_to_device", 0)
+    again = block(lms)  # the cached block comes back: fresh memory, nothing copied
+    assert again == ptr and resident(lms, ptr)
+    assert driver.call_counts().get("copy_host_to_device", 0) == copies
+    assert consistent(lms)["pagein_bytes.lms"] == 0
+
+
+def test_small_blocks_are_never_reclaimed(lms) -> None:
+    lms.set_lms_limit(64 * MiB)
+    lms.set_lms_size(8 * MiB)
+    ptrs = [block(lms, 4 * MiB) for _ in range(3)]  # under the size: shared, unreclaimable
+    assert lms.reclaim_inactive() == 0
+    assert all(resident(lms, p) for p in ptrs)
+    assert lms.stats()["lms_size_bytes"] == 8 * MiB
+
+
+def test_failed_page_out_loses_nothing(driver, lms, fill, peek) -> None:
+    ptr = block(lms, 8 * MiB)
+    data = fill(ptr, 8 * MiB)
+    driver.fail_on("unmap", 2)  # the second of its 4 MiB chunks
+    with pytest.raises(CudaError, match="injected"):
+        lms.reclaim_inactive()
+    assert lms.pin(ptr, STREAM)  # half out, half in: pinning brings it all back
+    assert peek(ptr, 8 * MiB) == data
+
+
+def test_failed_page_in_keeps_the_block_out_and_intact(driver, lms, fill, peek) -> None:
+    ptr = block(lms, 8 * MiB)
+    data = fill(ptr, 8 * MiB)
+    lms.reclaim_inactive()
+    driver.fail_on("map", 2)
+    with pytest.raises(CudaError, match="injected"):
+        lms.pin(ptr, STREAM)
+    assert not resident(lms, ptr)
+    assert lms.stats()["pinned.lms.current"] == 0
+    assert lms.pin(ptr, STREAM)
+    assert peek(ptr, 8 * MiB) == data
+
+
+def test_out_of_memory_during_page_in_raises_out_of_memory(driver, lms, fill) -> None:
+    ptr = block(lms)
+    fill(ptr, 4 * MiB)
+    lms.reclaim_inactive()
+    driver.fail_on("create_physical", 1, error_code=2)
+    with pytest.raises(OutOfMemoryError):
+        lms.pin(ptr, STREAM)
+    assert lms.pin(ptr, STREAM)
+
+
+def test_pin_argument_errors(lms, allocator) -> None:
+    ptr = block(lms)
+    with pytest.raises(InvalidStateError, match="not pinned"):
+        lms.unpin(ptr)
+    other = allocator.malloc(2 * MiB)  # vmm memory: nothing to pin
+    assert lms.pin(other, STREAM) is False
+    assert lms.unpin(0x1234) is False
+    with pytest.raises(Exception, match="'lms', which cannot pause"):
+        allocator.pause("default")
+
+
+def test_default_limit_is_95_percent_of_free_and_held(make_pair) -> None:
+    _driver, allocator = make_pair(capacity=64 * MiB)
+    allocator.set_lms_limit(0)
+    assert allocator.lms_limit() == 64 * MiB // 100 * 95
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_set_enabled_lms_needs_cuda() -> None:
+    with pytest.raises(InvalidStateError, match="needs a CUDA device"):
+        tus.set_enabled_lms(True)
+    tus.set_enabled_lms(False)  # off stays off
+    with pytest.raises(InvalidStateError, match="global hook"), tus.region("x", mode="lms"):
+        pass
+
+
+def test_pinning_cpu_tensors_does_nothing() -> None:
+    t = torch.ones(4)
+    assert tus.pin(t) is False and tus.unpin(t) is False
+    with tus.pinned(t, torch.zeros(2)):
+        pass
+
+
+def test_package_functions(process) -> None:
+    _, allocator = process
+    tus.set_limit_lms(32 * MiB)
+    assert tus.get_limit_lms() == 32 * MiB
+    tus.set_size_lms(2 * MiB)
+    assert tus.get_size_lms() == 2 * MiB
+    ptr = allocator.block_malloc(4 * MiB, mode="lms")
+    assert tus.reclaim_inactive() == 4 * MiB
+    allocator.block_free(ptr)
+    tus.set_limit_lms(0)
+    tus.set_size_lms(1 * MiB)
+    assert not tus.get_enabled_lms()
+    with pytest.raises(Exception, match=">= 0"):
+        tus.set_limit_lms(-1)
