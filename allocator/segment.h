@@ -40,16 +40,18 @@ struct ManagedState {
 
 // Large Model Support state of an `lms` segment (residency/lms_residency.h).
 enum class LmsState : int {
-  kInactive = 0,   // resident, no pins: on the reclaim list
+  kAllocated = 0,  // resident, never pinned since it was handed out: not reclaimable (a library's
+                   // workspace, say, that no operator pins while using it)
   kActive = 1,     // resident and pinned: never reclaimed
-  kReclaimed = 2,  // paged out: its bytes are on the host, its addresses hold no memory
+  kInactive = 2,   // resident, pinned before and unpinned since: on the reclaim list
+  kReclaimed = 3,  // paged out: its bytes are on the host, its addresses hold no memory
 };
 
 struct Segment;
 
 struct LmsLinks {
   int pins = 0;
-  LmsState state = LmsState::kInactive;
+  LmsState state = LmsState::kAllocated;
   bool reclaimable = true;  // false below set_size_lms: never paged out
   bool on_list = false;     // linked into the reclaim list
   Segment* prev = nullptr;  // reclaim list neighbours (intrusive: no allocation)

@@ -49,8 +49,7 @@ EventHandle LmsResidency::fence_event() {
 void LmsResidency::admit(Segment& segment, bool single_block, StreamHandle stream) {
   segment.lms = LmsLinks{};
   segment.lms.reclaimable = single_block && segment.size >= size_;
-  segment.lms.stream = stream;
-  if (segment.lms.reclaimable) list_.push_back(segment);  // the most recently used
+  segment.lms.stream = stream;  // allocated: not on the list (Note [Only pinned blocks ...])
 }
 
 void LmsResidency::forget(Segment& segment) { list_.remove(segment); }
@@ -82,9 +81,10 @@ void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
   const Footprint before = footprint(segment);
   if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);
   segment.lms.stream = stream;
-  if (segment.lms.state == LmsState::kInactive && segment.lms.reclaimable) {
+  if (segment.lms.pins == 0) {
+    // A new tensor in it: allocated again until it is pinned and unpinned.
     list_.remove(segment);
-    list_.push_back(segment);  // used now: the most recent
+    segment.lms.state = LmsState::kAllocated;
   }
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
@@ -145,7 +145,7 @@ void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   // Throws OutOfMemory with nothing changed (PauseController rolls back): the caller's pin or
   // allocation fails, the bytes stay safe on the host.
   mover_.resume({&segment}, backing_, kPagePolicy);
-  segment.lms.state = LmsState::kInactive;
+  segment.lms.state = LmsState::kAllocated;  // the caller pins it or hands it out
   segment.lms.stream = stream;
   stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
     ++scope.num_pageins;

@@ -1,8 +1,16 @@
 // LmsResidency: Large Model Support (IBM's LMS for PyTorch, as a library) for the `lms` segments
-// of one device. A segment is pinned while in use (pin counts), inactive otherwise (on the
-// intrusive ReclaimList, least recently used first), or reclaimed: its bytes paged out to pooled
-// pinned host memory and its physical memory released, its addresses kept (VMM). Pinning a
-// reclaimed segment pages it back in at the same addresses.
+// of one device. A segment is allocated (handed out, never pinned since), active (pinned: in
+// use, pin counts), inactive (unpinned after use: on the intrusive ReclaimList, least recently
+// used first), or reclaimed: its bytes paged out to pooled pinned host memory and its physical
+// memory released, its addresses kept (VMM). Pinning a reclaimed segment pages it back in at the
+// same addresses.
+//
+// Note [Only pinned blocks are reclaimed]
+//  A block becomes reclaimable when its last pin goes, never before. Libraries allocate memory
+//  through PyTorch that they use without any operator pinning it (cuBLAS and cuDNN workspaces,
+//  communication buffers); paging those out under the library's feet is an illegal access (seen
+//  on an H200 as CUBLAS_STATUS_INTERNAL_ERROR). Blocks that were never pinned are therefore left
+//  alone, and a cached block handed out again starts over as allocated.
 //
 // Note [LMS blocks]
 //  A segment can only go out when nothing in it is in use. PyTorch's pools split segments among

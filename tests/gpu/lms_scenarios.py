@@ -90,7 +90,10 @@ def pinned_tensor_survives_reclaim_inactive() -> None:
 
     tus.set_enabled_lms(True)
     keep = torch.arange(8 * MiB, dtype=torch.int32, device="cuda")
-    out = torch.full((8 * MiB,), 7, dtype=torch.int32, device="cuda")
+    out = torch.full((8 * MiB,), 6, dtype=torch.int32, device="cuda")
+    with tus.lms_mode():  # an operator reads them: pinned, then unpinned, so reclaimable
+        keep.add_(0)
+        out.add_(1)
     torch.cuda.synchronize()
     with tus.pinned(keep):
         moved = tus.reclaim_inactive()

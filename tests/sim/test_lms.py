@@ -22,7 +22,19 @@ def lms(allocator):
 
 
 def block(allocator, size=4 * MiB) -> int:
-    return allocator.block_malloc(size, mode="lms", stream=STREAM)
+    """A block that an operator has used (pinned and unpinned): reclaimable from now on."""
+    ptr = allocator.block_malloc(size, mode="lms", stream=STREAM)
+    assert allocator.pin(ptr, STREAM) and allocator.unpin(ptr)
+    return ptr
+
+
+def test_never_pinned_blocks_are_not_reclaimed(lms) -> None:
+    # A library's workspace is allocated through PyTorch and used without any operator pinning
+    # it (Note [Only pinned blocks are reclaimed]).
+    workspace = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    used = block(lms)
+    assert lms.reclaim_inactive() == 4 * MiB
+    assert resident(lms, workspace) and not resident(lms, used)
 
 
 def resident(allocator, ptr) -> bool:
@@ -107,7 +119,7 @@ def test_freeing_a_reclaimed_block_needs_no_page_in(driver, lms, consistent) -> 
     lms.reclaim_inactive()
     assert lms.block_free(ptr)
     copies = driver.call_counts().get("copy_host_to_device", 0)
-    again = block(lms)  # the cached block comes back: fresh memory, nothing copied
+    again = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)  # fresh memory, nothing copied
     assert again == ptr and resident(lms, ptr)
     assert driver.call_counts().get("copy_host_to_device", 0) == copies
     assert consistent(lms)["pagein_bytes.lms"] == 0
@@ -158,7 +170,7 @@ def test_out_of_memory_during_page_in_raises_out_of_memory(driver, lms, fill) ->
 def test_pin_argument_errors(lms, allocator) -> None:
     ptr = block(lms)
     with pytest.raises(InvalidStateError, match="not pinned"):
-        lms.unpin(ptr)
+        lms.unpin(ptr)  # block() already unpinned it
     other = allocator.malloc(2 * MiB)  # vmm memory: nothing to pin
     assert lms.pin(other, STREAM) is False
     assert lms.unpin(0x1234) is False
@@ -195,6 +207,7 @@ def test_package_functions(process) -> None:
     tus.set_size_lms(2 * MiB)
     assert tus.get_size_lms() == 2 * MiB
     ptr = allocator.block_malloc(4 * MiB, mode="lms")
+    assert allocator.pin(ptr, 0) and allocator.unpin(ptr)
     assert tus.reclaim_inactive() == 4 * MiB
     allocator.block_free(ptr)
     tus.set_limit_lms(0)
