@@ -193,12 +193,21 @@ Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
   return allocate_segment_locked(size, stream, region, single_block);
 }
 
+void Allocator::make_room_for_page_in_locked(Segment& segment) {
+  if (segment.lms.state != LmsState::kReclaimed) return;
+  // The page-in maps memory too: it keeps to the limit like an allocation.
+  make_room_for_lms_locked(segment.size - segment.resident_bytes(), segment.tag, true);
+}
+
 std::size_t Allocator::single_block_bytes(Mode mode) {
   return mode == Mode::kLms ? lms_.size() : 0;
 }
 
-void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& tag) {
-  AllocDistribution& counts = lms_.distribution();
+void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& tag,
+                                         bool for_page_in) {
+  // A page-in climbs the same ladder but is not an allocation: alloc_distribution skips it.
+  AllocDistribution scratch;
+  AllocDistribution& counts = for_page_in ? scratch : lms_.distribution();
   auto held = [&] { return static_cast<std::size_t>(stats_.all().reserved_bytes.current); };
   const std::size_t limit = lms_.limit(held());
   auto excess = [&] { return held() + size > limit ? held() + size - limit : 0; };
@@ -226,12 +235,12 @@ void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& ta
   }
   if (excess() == 0) return;
   const ScopeStats& lms = stats_.mode(Mode::kLms);
-  TUS_THROW(OutOfMemory, "lms: out of memory allocating "
-                             << format_bytes(size) << " (tag '" << tag << "') under the limit of "
-                             << format_bytes(limit) << ": " << format_bytes(held())
-                             << " held on the device, " << format_bytes(lms.pinned_bytes.current)
-                             << " of it pinned, " << format_bytes(lms_.inactive_bytes())
-                             << " inactive and reclaimable, "
+  TUS_THROW(OutOfMemory, "lms: out of memory "
+                             << (for_page_in ? "paging in " : "allocating ") << format_bytes(size)
+                             << " (tag '" << tag << "') under the limit of " << format_bytes(limit)
+                             << ": " << format_bytes(held()) << " held on the device, "
+                             << format_bytes(lms.pinned_bytes.current) << " of it pinned, "
+                             << format_bytes(lms_.inactive_bytes()) << " inactive and reclaimable, "
                              << format_bytes(lms.reclaimed_bytes.current)
                              << " already paged out. Unpin tensors that are not in use, raise "
                                 "set_limit_lms, or lower set_size_lms so that more blocks can go");
@@ -241,6 +250,7 @@ void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
 
 void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
   if (segment.mode == Mode::kLms) {
+    make_room_for_page_in_locked(segment);
     lms_.reuse(segment, stream);  // a page-in that fails fails the allocation
     return;
   }
@@ -385,6 +395,7 @@ bool Allocator::pin(DevicePtr ptr, StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   Segment* segment = segment_containing_locked(ptr);
   if (segment == nullptr || segment->mode != Mode::kLms) return false;
+  make_room_for_page_in_locked(*segment);
   lms_.pin(*segment, stream);
   return true;
 }

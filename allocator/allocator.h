@@ -148,7 +148,8 @@ class Allocator final : private SegmentSource {
   Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
                                    const RegionConfig& region, bool single_block = false);
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
-  void make_room_for_lms_locked(std::size_t size, const std::string& tag);
+  void make_room_for_lms_locked(std::size_t size, const std::string& tag, bool for_page_in = false);
+  void make_room_for_page_in_locked(Segment& segment);
   void count_oom_locked(const RegionConfig& region);
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);

@@ -215,3 +215,17 @@ def test_package_functions(process) -> None:
     assert not tus.get_enabled_lms()
     with pytest.raises(Exception, match=">= 0"):
         tus.set_limit_lms(-1)
+
+
+def test_page_in_keeps_to_the_limit(lms, fill, peek) -> None:
+    old = [block(lms) for _ in range(4)]
+    data = fill(old[0], 4 * MiB)
+    assert lms.reclaim_inactive() == 16 * MiB
+    new = [block(lms) for _ in range(4)]  # 16 MiB held again, all inactive
+    before = {k: v for k, v in lms.stats().items() if k.startswith("alloc_distribution.")}
+    assert lms.pin(old[0], STREAM)  # 4 MiB to map: one of `new` goes out first
+    stats = lms.stats()
+    assert stats["reserved_bytes.all.current"] <= 16 * MiB
+    assert not resident(lms, new[0]) and peek(old[0], 4 * MiB) == data
+    after = {k: v for k, v in stats.items() if k.startswith("alloc_distribution.")}
+    assert after == before  # a page-in is not an allocation
