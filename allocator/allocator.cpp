@@ -688,6 +688,7 @@ StatsDict Allocator::stats() {
   out["lms_limit_bytes"] = static_cast<std::int64_t>(lms_.limit_setting());
   out["lms_size_bytes"] = static_cast<std::int64_t>(lms_.size());
   out["lms_inactive_bytes"] = static_cast<std::int64_t>(lms_.inactive_bytes());
+  out["lms_pageins_in_flight"] = static_cast<std::int64_t>(pauser_.async_in_flight());
   const AllocDistribution& distribution = lms_.distribution();
   out["alloc_distribution.freelist"] = distribution.freelist;
   out["alloc_distribution.cudamalloc"] = distribution.cudamalloc;

@@ -51,6 +51,7 @@ namespace tus {
   X(cuEventSynchronize, 2000)              \
   X(cuEventQuery, 2000)                    \
   X(cuEventElapsedTime, 2000)              \
+  X(cuStreamWaitEvent, 3020)               \
   X(cuMemcpyDtoHAsync, 3020)               \
   X(cuMemcpyHtoDAsync, 3020)
 // clang-format on
@@ -461,6 +462,13 @@ bool CudaDriver::event_query(int device, EventHandle event) {
   if (result == CUDA_ERROR_NOT_READY) return false;
   check(api(), result, "cuEventQuery", "device " + std::to_string(device));
   return true;
+}
+
+void CudaDriver::stream_wait_event(int device, StreamHandle stream, EventHandle event) {
+  ContextGuard guard(*this, device);
+  check(api(),
+        api().cuStreamWaitEvent(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
+        "cuStreamWaitEvent", "device " + std::to_string(device));
 }
 
 void CudaDriver::device_synchronize(int device) {

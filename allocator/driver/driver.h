@@ -93,6 +93,8 @@ class Driver {
   virtual float event_elapsed_ms(int device, EventHandle start, EventHandle end) = 0;
   // True once everything the event waits for has finished; never blocks.
   virtual bool event_query(int device, EventHandle event) = 0;
+  // Work queued on `stream` after this call starts only once `event` has completed (no host wait).
+  virtual void stream_wait_event(int device, StreamHandle stream, EventHandle event) = 0;
   // Waits for all work queued on the device by any stream of this process.
   virtual void device_synchronize(int device) = 0;
   virtual void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,

@@ -424,6 +424,11 @@ void SimDriver::event_synchronize(int device, EventHandle) {
   enter_locked("event_synchronize", device);
 }
 
+void SimDriver::stream_wait_event(int device, StreamHandle, EventHandle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("stream_wait_event", device);  // synchronous streams: nothing to wait for
+}
+
 void SimDriver::device_synchronize(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("device_synchronize", device);

@@ -89,6 +89,7 @@ class SimDriver final : public Driver {
   bool event_query(int device, EventHandle event) override;
   EventHandle event_create_timed(int device) override;
   float event_elapsed_ms(int device, EventHandle start, EventHandle end) override;
+  void stream_wait_event(int device, StreamHandle stream, EventHandle event) override;
   void device_synchronize(int device) override;
   void copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
                            StreamHandle stream) override;

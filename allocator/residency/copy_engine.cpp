@@ -39,4 +39,6 @@ void CopyEngine::wait(std::size_t mark) { driver_.event_synchronize(device_, eve
 
 void CopyEngine::synchronize() { driver_.stream_synchronize(device_, stream()); }
 
+void CopyEngine::record(EventHandle event) { driver_.event_record(device_, event, stream()); }
+
 }  // namespace tus

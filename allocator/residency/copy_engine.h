@@ -25,6 +25,8 @@ class CopyEngine {
   // Forgets the marks (events are kept for reuse).
   void reset_marks() { marks_used_ = 0; }
   void synchronize();
+  // Records `event` after every copy queued so far (for a consumer stream to wait on).
+  void record(EventHandle event);
 
  private:
   StreamHandle stream();

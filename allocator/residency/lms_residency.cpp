@@ -41,6 +41,12 @@ std::size_t LmsResidency::limit(std::size_t held_bytes) {
   return default_limit_;
 }
 
+void LmsResidency::retire_page_ins() {
+  // Host copies of earlier page-ins go back to the pool once their copies are done; a query per
+  // page-in in flight, nothing when none is.
+  if (mover_.async_in_flight() > 0) mover_.retire_async(false);
+}
+
 EventHandle LmsResidency::fence_event() {
   if (fence_ == nullptr) fence_ = driver_.event_create(device_);
   return fence_;
@@ -55,6 +61,7 @@ void LmsResidency::admit(Segment& segment, bool single_block, StreamHandle strea
 void LmsResidency::forget(Segment& segment) { list_.remove(segment); }
 
 void LmsResidency::pin(Segment& segment, StreamHandle stream) {
+  retire_page_ins();
   const Footprint before = footprint(segment);
   if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);
   list_.remove(segment);
@@ -65,6 +72,7 @@ void LmsResidency::pin(Segment& segment, StreamHandle stream) {
 }
 
 void LmsResidency::unpin(Segment& segment) {
+  retire_page_ins();
   if (segment.lms.pins == 0) {
     TUS_THROW(InvalidState,
               "unpin: the tensor's block (" << format_bytes(segment.size) << ") is not pinned");
@@ -78,6 +86,7 @@ void LmsResidency::unpin(Segment& segment) {
 }
 
 void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
+  retire_page_ins();
   const Footprint before = footprint(segment);
   if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);
   segment.lms.stream = stream;
@@ -138,13 +147,15 @@ std::size_t LmsResidency::page_out(Segment& segment) {
 
 void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   const auto start = std::chrono::steady_clock::now();
+  retire_page_ins();
   std::size_t copied = 0;
   for (const Chunk& chunk : segment.chunks) {
     if ((!chunk.mapped || chunk.stale) && chunk.backed_up && segment.backup) copied += chunk.size;
   }
-  // Throws OutOfMemory with nothing changed (PauseController rolls back): the caller's pin or
-  // allocation fails, the bytes stay safe on the host.
-  mover_.resume({&segment}, backing_, kPagePolicy);
+  // Note [LMS ordering]: the using stream waits for the copy, the host does not. Throws
+  // OutOfMemory with nothing changed (the mapping is rolled back): the caller's pin or allocation
+  // fails, the bytes stay safe on the host.
+  mover_.resume_async(segment, backing_, stream);
   segment.lms.state = LmsState::kAllocated;  // the caller pins it or hands it out
   segment.lms.stream = stream;
   stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
@@ -155,6 +166,7 @@ void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
 }
 
 ReclaimRung LmsResidency::reclaim(std::size_t excess) {
+  retire_page_ins();
   if (excess == 0 || list_.size() == 0) return ReclaimRung::kNone;
   // reclaim_one: the smallest inactive segment that covers the excess, LRU first among equals.
   Segment* best = nullptr;

@@ -23,8 +23,10 @@
 //  segment (its allocation stream, or the stream of its last pin), so no queued kernel still reads
 //  it; other streams are not waited for. The copy to the host then runs on the copy engine's
 //  stream and the memory is unmapped once the copy is done (PauseController, without its
-//  device-wide synchronize). Page-in maps fresh memory and returns once the copy back is done, so
-//  every stream sees the bytes.
+//  device-wide synchronize). Page-in maps fresh memory, queues the copy back and makes the using
+//  stream (the pinning or allocating one) wait for it on the device, not the host (Note
+//  [Asynchronous resume] in pause_controller.h). Another stream that uses the block must be
+//  ordered after that one, as PyTorch requires for any tensor shared between streams.
 //
 // Note [The allocation ladder]
 //  When an `lms` allocation would take the device memory we hold past the limit, the Allocator
@@ -102,6 +104,7 @@ class LmsResidency {
   std::size_t page_out(Segment& segment);
   void page_in(Segment& segment, StreamHandle stream);
   EventHandle fence_event();
+  void retire_page_ins();
 
   Driver& driver_;
   const int device_;

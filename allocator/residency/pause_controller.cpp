@@ -17,6 +17,15 @@ void drain_quietly(CopyEngine& copies) {
 
 }  // namespace
 
+PauseController::~PauseController() {
+  // Test-made allocators only (registry allocators live forever); best effort.
+  try {
+    retire_async(true);
+    for (EventHandle event : spare_events_) driver_.event_destroy(device_, event);
+  } catch (const std::exception&) {
+  }
+}
+
 void PauseController::drop_backup(Segment& segment) {
   buffers_.release(segment.backup);
   segment.backup = HostBuffer{};
@@ -76,8 +85,7 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
   }
 }
 
-void PauseController::resume(const std::vector<Segment*>& segments, Backing& backing,
-                             const BackupPolicy& policy) {
+void PauseController::restore_chunks(const std::vector<Segment*>& segments, Backing& backing) {
   // Every chunk that does not hold its contents: unmapped ones get fresh memory, stale ones keep
   // theirs and only need the copy.
   std::vector<std::pair<Segment*, Chunk*>> targets;
@@ -96,7 +104,6 @@ void PauseController::resume(const std::vector<Segment*>& segments, Backing& bac
                           chunk->size);
       }
     }
-    copies_.synchronize();  // Note [Resume visibility]
   } catch (...) {
     drain_quietly(copies_);
     for (std::size_t i = 0; i < targets.size(); ++i) {
@@ -115,11 +122,79 @@ void PauseController::resume(const std::vector<Segment*>& segments, Backing& bac
     throw;
   }
   for (auto& [segment, chunk] : targets) chunk->stale = false;
+}
+
+void PauseController::resume(const std::vector<Segment*>& segments, Backing& backing,
+                             const BackupPolicy& policy) {
+  restore_chunks(segments, backing);
+  try {
+    copies_.synchronize();  // Note [Resume visibility]
+  } catch (...) {
+    // The copies' fate is unknown: the chunks count as not restored, the backups stay.
+    for (Segment* segment : segments) {
+      for (Chunk& chunk : segment->chunks) {
+        if (chunk.backed_up) chunk.stale = true;
+      }
+    }
+    throw;
+  }
   if (!policy.retain) {
     for (Segment* segment : segments) {
       if (segment->backup) drop_backup(*segment);
     }
   }
+}
+
+EventHandle PauseController::take_event() {
+  if (spare_events_.empty()) return driver_.event_create(device_);
+  EventHandle event = spare_events_.back();
+  spare_events_.pop_back();
+  return event;
+}
+
+void PauseController::resume_async(Segment& segment, Backing& backing, StreamHandle consumer) {
+  EventHandle done = take_event();  // before anything changes: failing here changes nothing
+  try {
+    restore_chunks({&segment}, backing);
+    copies_.record(done);
+    driver_.stream_wait_event(device_, consumer, done);
+  } catch (...) {
+    // Mapped, copies maybe queued: a synchronous wait settles them (restore_chunks already undid
+    // its own failure); the bytes are in place or the backup is kept for the next try.
+    drain_quietly(copies_);
+    spare_events_.push_back(done);
+    throw;
+  }
+  if (segment.backup) {
+    in_flight_.push_back(InFlight{std::move(segment.backup), done});
+    segment.backup = HostBuffer{};
+    for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
+  } else {
+    spare_events_.push_back(done);
+  }
+}
+
+void PauseController::retire_async(bool wait) {
+  std::vector<InFlight> still;
+  for (InFlight& flight : in_flight_) {
+    bool done = true;
+    try {
+      if (wait) {
+        driver_.event_synchronize(device_, flight.done);
+      } else {
+        done = driver_.event_query(device_, flight.done);
+      }
+    } catch (const std::exception&) {
+      done = false;  // keep the buffer: a copy may still read it
+    }
+    if (!done) {
+      still.push_back(std::move(flight));
+      continue;
+    }
+    buffers_.release(flight.backup);
+    spare_events_.push_back(flight.done);
+  }
+  in_flight_ = std::move(still);
 }
 
 }  // namespace tus

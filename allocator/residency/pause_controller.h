@@ -16,6 +16,13 @@
 //  after the copy stream has drained, so the restored bytes are visible to every stream the client
 //  uses next, with no event for the client to wait on.
 //
+// Note [Asynchronous resume]
+//  LMS pages a block in when an operator is about to use it. Waiting on the host for the copy
+//  would stall the host until the link is done, so resume_async() instead makes the consumer
+//  stream wait for an event after the copies (cuStreamWaitEvent): the operator's kernels queue
+//  behind the page-in, and the host goes on. The backup's host buffer must outlive the copy
+//  reading it, so it is kept, out of the segment's reach, until that event completes.
+//
 // Note [Failure atomicity]
 //  A failed resume unmaps and releases every chunk it mapped, so the tag is exactly as paused as
 //  before and a later resume can succeed; a chunk it cannot unmap again is marked stale (mapped,
@@ -45,20 +52,41 @@ class PauseController {
  public:
   PauseController(Driver& driver, int device, CopyEngine& copies, HostBufferPool& buffers)
       : driver_(driver), device_(device), copies_(copies), buffers_(buffers) {}
+  ~PauseController();
+  PauseController(const PauseController&) = delete;
+  PauseController& operator=(const PauseController&) = delete;
 
   // `fenced`: the caller has already made sure no queued work uses the segments (LMS page-out
   // waits for the segment's own stream), so the device-wide synchronize is skipped.
   void pause(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy,
              bool fenced = false);
   void resume(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
+  // Note [Asynchronous resume]: maps and queues the copies like resume(), then makes `consumer`
+  // wait for them instead of the host. The backups are released once the copies are done.
+  void resume_async(Segment& segment, Backing& backing, StreamHandle consumer);
+  // Releases the backups of asynchronous resumes whose copies have completed (all of them,
+  // waiting, when `wait`).
+  void retire_async(bool wait);
+  std::size_t async_in_flight() const { return in_flight_.size(); }
 
  private:
+  struct InFlight {
+    HostBuffer backup;  // moved out of its segment: a free of the segment cannot touch it
+    EventHandle done;
+  };
+
   void drop_backup(Segment& segment);
+  // Maps every chunk that does not hold its contents and queues its copy; undoes it all (Note
+  // [Failure atomicity]) and rethrows on failure.
+  void restore_chunks(const std::vector<Segment*>& segments, Backing& backing);
+  EventHandle take_event();
 
   Driver& driver_;
   const int device_;
   CopyEngine& copies_;
   HostBufferPool& buffers_;
+  std::vector<InFlight> in_flight_;
+  std::vector<EventHandle> spare_events_;
 };
 
 }  // namespace tus

@@ -51,4 +51,4 @@
   X(prefetch_to_device_seconds, "device time of prefetches to the device (CUDA events)") \
   X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")     \
   X(pageout_seconds, "wall time of lms page-outs, fence on the last stream included")    \
-  X(pagein_seconds, "wall time of lms page-ins, until the bytes are back")
+  X(pagein_seconds, "host time of lms page-ins (mapping and queueing the copy back)")

@@ -229,3 +229,26 @@ def test_page_in_keeps_to_the_limit(lms, fill, peek) -> None:
     assert not resident(lms, new[0]) and peek(old[0], 4 * MiB) == data
     after = {k: v for k, v in stats.items() if k.startswith("alloc_distribution.")}
     assert after == before  # a page-in is not an allocation
+
+
+def test_page_in_makes_the_using_stream_wait_not_the_host(driver, lms, fill, peek) -> None:
+    ptr = block(lms)
+    data = fill(ptr, 4 * MiB)
+    lms.reclaim_inactive()
+    driver.hold_events(True)  # the copy back is still running
+    syncs = driver.call_counts().get("stream_synchronize", 0)
+    assert lms.pin(ptr, STREAM)
+    counts = driver.call_counts()
+    assert counts["stream_wait_event"] >= 1
+    assert counts.get("stream_synchronize", 0) == syncs  # the host did not wait
+    stats = lms.stats()
+    assert stats["lms_pageins_in_flight"] == 1  # its host copy is kept while the copy runs
+    cached = stats["host_pool_cached_bytes.current"]
+    driver.hold_events(False)
+    lms.unpin(ptr)
+    other = block(lms)  # any later LMS operation retires finished page-ins
+    lms.pin(other, STREAM)
+    stats = lms.stats()
+    assert stats["lms_pageins_in_flight"] == 0
+    assert stats["host_pool_cached_bytes.current"] == cached + 4 * MiB
+    assert peek(ptr, 4 * MiB) == data
