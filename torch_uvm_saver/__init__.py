@@ -40,6 +40,7 @@ from .lms import (
     set_size_lms,
     unpin,
 )
+from .lms_module import ParameterPins, pin_parameters
 from .managed import (
     advise,
     get_device_budget,
@@ -73,6 +74,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidStateError",
     "OutOfMemoryError",
+    "ParameterPins",
     "TusError",
     "advise",
     "disable",
@@ -94,6 +96,7 @@ __all__ = [
     "memory_summary",
     "pause",
     "pin",
+    "pin_parameters",
     "pinned",
     "prefetch",
     "reclaim_inactive",
