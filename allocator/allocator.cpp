@@ -60,7 +60,7 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       copies_(*driver_, device),
       pauser_(*driver_, device, copies_, host_buffers_),
       managed_residency_(*driver_, device, managed_, stats_),
-      lms_(*driver_, device, vmm_, pauser_, stats_),
+      lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
 }
@@ -76,7 +76,13 @@ Allocator::~Allocator() {
 Backing& Allocator::backing_for(Mode mode) {
   if (mode == Mode::kDevice) return device_backing_;
   if (mode == Mode::kManaged) return managed_;
+  if (mode == Mode::kLms && lms_on_managed_) return managed_;
   return vmm_;
+}
+
+Backing& Allocator::backing_of(const Segment& segment) {
+  if (segment.on_managed_memory()) return managed_;
+  return backing_for(segment.mode);
 }
 
 std::string Allocator::memory_report_locked() {
@@ -120,7 +126,8 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   segment->mode = region.mode;
   segment->tag = region.tag;
   segment->cpu_backup = region.cpu_backup;
-  if (region.mode == Mode::kManaged) {
+  segment->lms.managed = region.mode == Mode::kLms && lms_on_managed_;
+  if (segment->on_managed_memory()) {
     segment->managed.advice = region.advice;
     // RFC-0023's default: device allocations prefer their own GPU.
     if (region.advice.preferred.is_none()) {
@@ -142,9 +149,9 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment));
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
+  if (placed.on_managed_memory()) managed_residency_.admit(placed, stream);
   if (placed.mode == Mode::kLms) lms_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
-    managed_residency_.admit(placed, stream);
     try {
       enforce_budget_locked(&placed, stream);
     } catch (const std::exception& error) {
@@ -170,10 +177,10 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
   }
   Segment& segment = *it->second;
   const Footprint before = footprint(segment);
-  if (segment.mode == Mode::kManaged) managed_residency_.forget(segment);
+  if (segment.on_managed_memory()) managed_residency_.forget(segment);
   if (segment.mode == Mode::kLms) lms_.forget(segment);
   try {
-    backing_for(segment.mode).deallocate(segment);
+    backing_of(segment).deallocate(segment);
   } catch (const CudaError& error) {
     if (error.code() != kCudaErrorDeinitialized) {
       log_once("free_failed", std::string("free: ") + error.what());
@@ -196,7 +203,35 @@ Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
 void Allocator::make_room_for_page_in_locked(Segment& segment) {
   if (segment.lms.state != LmsState::kReclaimed) return;
   // The page-in maps memory too: it keeps to the limit like an allocation.
-  make_room_for_lms_locked(segment.size - segment.resident_bytes(), segment.tag, true);
+  const std::size_t out = segment.on_managed_memory()
+                              ? managed_bytes_at(segment, MemLocation::Kind::kHost)
+                              : segment.size - segment.resident_bytes();
+  make_room_for_lms_locked(out, segment.tag, true);
+}
+
+void Allocator::set_lms_on_managed(bool managed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (managed == lms_on_managed_) return;
+  if (!segments_of_mode_locked(Mode::kLms).empty()) {
+    TUS_THROW(InvalidState, "set_backing_lms: device "
+                                << device_
+                                << " already holds lms blocks; choose the backing before the "
+                                   "first lms allocation");
+  }
+  lms_on_managed_ = managed;
+}
+
+bool Allocator::lms_on_managed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lms_on_managed_;
+}
+
+std::vector<Segment*> Allocator::segments_of_mode_locked(Mode mode) {
+  std::vector<Segment*> found;
+  for (auto& [ptr, segment] : segments_) {
+    if (segment->mode == mode) found.push_back(segment.get());
+  }
+  return found;
 }
 
 std::size_t Allocator::single_block_bytes(Mode mode) {
@@ -337,7 +372,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   std::lock_guard<std::mutex> lock(mutex_);
   if (to.is_none()) TUS_THROW(InvalidArgument, "prefetch needs a destination (cpu or a device)");
   Segment* segment = segment_containing_locked(ptr);
-  if (segment != nullptr && segment->mode != Mode::kManaged) {
+  if (segment != nullptr && !segment->on_managed_memory()) {
     TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is "
                                             << mode_name(segment->mode)
                                             << " memory, not managed memory");

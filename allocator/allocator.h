@@ -115,6 +115,10 @@ class Allocator final : private SegmentSource {
   std::size_t lms_size() const;
   // Pages out every inactive `lms` segment; returns the bytes paged out.
   std::size_t reclaim_inactive();
+  // Where lms blocks live: VMM (default; page-out copies to pinned host memory and unmaps) or
+  // managed memory (page-out is a prefetch to the host). Refused once lms blocks exist.
+  void set_lms_on_managed(bool managed);
+  bool lms_on_managed() const;
 
   // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
   void enter_region(const RegionConfig& region);
@@ -145,6 +149,8 @@ class Allocator final : private SegmentSource {
   };
 
   Backing& backing_for(Mode mode);
+  Backing& backing_of(const Segment& segment);
+  std::vector<Segment*> segments_of_mode_locked(Mode mode);
   Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
                                    const RegionConfig& region, bool single_block = false);
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
@@ -183,6 +189,7 @@ class Allocator final : private SegmentSource {
   ManagedResidency managed_residency_;
   LmsResidency lms_;
   BlockCache blocks_;
+  bool lms_on_managed_ = false;
 };
 
 }  // namespace tus

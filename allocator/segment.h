@@ -57,6 +57,7 @@ struct LmsLinks {
   Segment* prev = nullptr;  // reclaim list neighbours (intrusive: no allocation)
   Segment* next = nullptr;
   StreamHandle stream = nullptr;  // the stream that last used it (allocation or pin)
+  bool managed = false;           // on managed memory: page-out is a prefetch to the host
 };
 
 struct Segment {
@@ -88,6 +89,10 @@ struct Segment {
     return bytes;
   }
   bool paused() const { return resident_bytes() < size; }
+  // Managed memory: the `managed` mode, or `lms` blocks on managed memory.
+  bool on_managed_memory() const {
+    return mode == Mode::kManaged || (mode == Mode::kLms && lms.managed);
+  }
   bool has_mapped_chunk() const { return mapped_bytes() > 0; }
 };
 

@@ -159,6 +159,9 @@ void bind_allocator(py::module_& module) {
       .def("lms_size", &Allocator::lms_size, py::call_guard<py::gil_scoped_release>())
       .def("reclaim_inactive", &Allocator::reclaim_inactive,
            py::call_guard<py::gil_scoped_release>())
+      .def("set_lms_on_managed", &Allocator::set_lms_on_managed, py::arg("managed"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("lms_on_managed", &Allocator::lms_on_managed, py::call_guard<py::gil_scoped_release>())
       .def("free", &Allocator::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "enter_region",

@@ -28,6 +28,7 @@ from .hooks import (
     use_global_allocator,
 )
 from .lms import (
+    get_backing_lms,
     get_enabled_lms,
     get_limit_lms,
     get_size_lms,
@@ -35,6 +36,7 @@ from .lms import (
     pin,
     pinned,
     reclaim_inactive,
+    set_backing_lms,
     set_enabled_lms,
     set_limit_lms,
     set_size_lms,
@@ -79,6 +81,7 @@ __all__ = [
     "advise",
     "disable",
     "empty_cache",
+    "get_backing_lms",
     "get_cpu_backup",
     "get_device_budget",
     "get_enabled_lms",
@@ -105,6 +108,7 @@ __all__ = [
     "release_host_cache",
     "reset_peak_memory_stats",
     "resume",
+    "set_backing_lms",
     "set_backup_policy",
     "set_device_budget",
     "set_enabled_lms",

@@ -28,6 +28,7 @@ from .errors import InvalidArgumentError, InvalidStateError
 from .hooks import _install_global
 
 __all__ = [
+    "get_backing_lms",
     "get_enabled_lms",
     "get_limit_lms",
     "get_size_lms",
@@ -35,6 +36,7 @@ __all__ = [
     "pin",
     "pinned",
     "reclaim_inactive",
+    "set_backing_lms",
     "set_enabled_lms",
     "set_limit_lms",
     "set_size_lms",
@@ -85,6 +87,20 @@ def set_size_lms(size: int, device: _native.DeviceLike = None) -> None:
 
 def get_size_lms(device: _native.DeviceLike = None) -> int:
     return int(_native.allocator(device).lms_size())
+
+
+def set_backing_lms(kind: str, device: _native.DeviceLike = None) -> None:
+    """Where ``lms`` blocks live: ``"vmm"`` (default: page-out copies to pinned host memory at the
+    link's speed and unmaps) or ``"managed"`` (page-out is a prefetch to the host; a kernel that
+    touches a paged-out block faults it back instead of failing). Before the first ``lms``
+    allocation."""
+    if kind not in ("vmm", "managed"):
+        raise InvalidArgumentError(f"an LMS backing is 'vmm' or 'managed', not {kind!r}")
+    _native.allocator(device).set_lms_on_managed(kind == "managed")
+
+
+def get_backing_lms(device: _native.DeviceLike = None) -> str:
+    return "managed" if _native.allocator(device).lms_on_managed() else "vmm"
 
 
 def reclaim_inactive(device: _native.DeviceLike = None) -> int:

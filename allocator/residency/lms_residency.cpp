@@ -21,8 +21,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }  // namespace
 
 LmsResidency::LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
-                           StatsBook& stats)
-    : driver_(driver), device_(device), backing_(backing), mover_(mover), stats_(stats) {}
+                           ManagedResidency& managed, StatsBook& stats)
+    : driver_(driver),
+      device_(device),
+      backing_(backing),
+      mover_(mover),
+      managed_(managed),
+      stats_(stats) {}
 
 LmsResidency::~LmsResidency() {
   if (fence_ == nullptr) return;
@@ -53,7 +58,9 @@ EventHandle LmsResidency::fence_event() {
 }
 
 void LmsResidency::admit(Segment& segment, bool single_block, StreamHandle stream) {
+  const bool managed = segment.lms.managed;
   segment.lms = LmsLinks{};
+  segment.lms.managed = managed;
   segment.lms.reclaimable = single_block && segment.size >= size_;
   segment.lms.stream = stream;  // allocated: not on the list (Note [Only pinned blocks ...])
 }
@@ -62,8 +69,8 @@ void LmsResidency::forget(Segment& segment) { list_.remove(segment); }
 
 void LmsResidency::pin(Segment& segment, StreamHandle stream) {
   retire_page_ins();
+  if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);  // counts itself
   const Footprint before = footprint(segment);
-  if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);
   list_.remove(segment);
   ++segment.lms.pins;
   segment.lms.state = LmsState::kActive;
@@ -87,8 +94,8 @@ void LmsResidency::unpin(Segment& segment) {
 
 void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
   retire_page_ins();
+  if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);  // counts itself
   const Footprint before = footprint(segment);
-  if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);
   segment.lms.stream = stream;
   if (segment.lms.pins == 0) {
     // A new tensor in it: allocated again until it is pinned and unpinned.
@@ -106,7 +113,26 @@ void LmsResidency::discard_backup(Segment& segment) {
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
+std::size_t LmsResidency::page_out_managed(Segment& segment) {
+  // Note [LMS on managed memory]
+  const auto start = std::chrono::steady_clock::now();
+  // The prefetch applies what it changes in page placement to the stats; the state is ours.
+  const std::size_t moved = managed_.prefetch(&segment, segment.ptr, segment.size,
+                                              MemLocation::host(), segment.lms.stream);
+  const Footprint placed = footprint(segment);
+  list_.remove(segment);
+  segment.lms.state = LmsState::kReclaimed;
+  stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
+  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
+    ++scope.num_pageouts;
+    scope.pageout_bytes += static_cast<std::int64_t>(moved);
+    scope.pageout_seconds += seconds_since(start);
+  });
+  return segment.size;  // off the device as far as the limit is concerned
+}
+
 std::size_t LmsResidency::page_out(Segment& segment) {
+  if (segment.lms.managed) return page_out_managed(segment);
   const auto start = std::chrono::steady_clock::now();
   const Footprint before = footprint(segment);
   std::exception_ptr error;
@@ -147,7 +173,22 @@ std::size_t LmsResidency::page_out(Segment& segment) {
 
 void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   const auto start = std::chrono::steady_clock::now();
+  if (segment.lms.managed) {
+    const std::size_t moved = managed_.prefetch(&segment, segment.ptr, segment.size,
+                                                MemLocation::on_device(device_), stream);
+    const Footprint placed = footprint(segment);
+    segment.lms.state = LmsState::kAllocated;
+    segment.lms.stream = stream;
+    stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
+    stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
+      ++scope.num_pageins;
+      scope.pagein_bytes += static_cast<std::int64_t>(moved);
+      scope.pagein_seconds += seconds_since(start);
+    });
+    return;
+  }
   retire_page_ins();
+  const Footprint before = footprint(segment);
   std::size_t copied = 0;
   for (const Chunk& chunk : segment.chunks) {
     if ((!chunk.mapped || chunk.stale) && chunk.backed_up && segment.backup) copied += chunk.size;
@@ -158,6 +199,7 @@ void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   mover_.resume_async(segment, backing_, stream);
   segment.lms.state = LmsState::kAllocated;  // the caller pins it or hands it out
   segment.lms.stream = stream;
+  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
   stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
     ++scope.num_pageins;
     scope.pagein_bytes += static_cast<std::int64_t>(copied);

@@ -28,6 +28,14 @@
 //  [Asynchronous resume] in pause_controller.h). Another stream that uses the block must be
 //  ordered after that one, as PyTorch requires for any tensor shared between streams.
 //
+// Note [LMS on managed memory]
+//  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder
+//  apply, but a page-out is a prefetch to the host and a page-in a prefetch back, both ordered on
+//  the stream that last used (or now uses) the block, with no fence and no unmapping: the driver
+//  keeps managed memory coherent, so a kernel that touches a paged-out block faults it back
+//  instead of failing. "Held" device memory is then the managed bytes our prefetches placed there
+//  (Note [Tracked residency] in managed_residency.h).
+//
 // Note [The allocation ladder]
 //  When an `lms` allocation would take the device memory we hold past the limit, the Allocator
 //  climbs: (1) a cached block (counted as alloc_distribution.freelist), else a fresh segment under
@@ -46,6 +54,7 @@
 
 #include "allocator/backing/backing.h"
 #include "allocator/driver/driver.h"
+#include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
 #include "allocator/residency/reclaim_list.h"
 #include "allocator/segment.h"
@@ -70,7 +79,7 @@ class LmsResidency {
   static constexpr std::size_t kDefaultSize = 1 * kMiB;
 
   LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
-               StatsBook& stats);
+               ManagedResidency& managed, StatsBook& stats);
   ~LmsResidency();
   LmsResidency(const LmsResidency&) = delete;
   LmsResidency& operator=(const LmsResidency&) = delete;
@@ -93,6 +102,14 @@ class LmsResidency {
   // The last block of a reclaimed segment was freed: its paged-out bytes are dead.
   void discard_backup(Segment& segment);
 
+  // Note [LMS on managed memory]
+  //  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder
+  //  apply, but a page-out is a prefetch to the host and a page-in a prefetch back, both ordered on
+  //  the stream that last used (or now uses) the block, with no fence and no unmapping: the driver
+  //  keeps managed memory coherent, so a kernel that touches a paged-out block faults it back
+  //  instead of failing. "Held" device memory is then the managed bytes our prefetches placed there
+  //  (Note [Tracked residency] in managed_residency.h).
+  //
   // Note [The allocation ladder], step 3: pages out inactive segments for `excess` bytes.
   ReclaimRung reclaim(std::size_t excess);
   // reclaim_inactive(): every inactive segment; returns the bytes paged out.
@@ -102,6 +119,7 @@ class LmsResidency {
 
  private:
   std::size_t page_out(Segment& segment);
+  std::size_t page_out_managed(Segment& segment);
   void page_in(Segment& segment, StreamHandle stream);
   EventHandle fence_event();
   void retire_page_ins();
@@ -110,6 +128,7 @@ class LmsResidency {
   const int device_;
   Backing& backing_;
   PauseController& mover_;
+  ManagedResidency& managed_;
   StatsBook& stats_;
   ReclaimList list_;
   AllocDistribution distribution_;

@@ -51,8 +51,7 @@ void ManagedResidency::check_guard(std::size_t size, const std::string& tag) {
     return;
   } else {
     const MemInfo info = driver_.mem_get_info(device_);
-    const auto placed =
-        static_cast<std::size_t>(stats_.mode(Mode::kManaged).managed_device_bytes.current);
+    const auto placed = static_cast<std::size_t>(stats_.all().managed_device_bytes.current);
     limit = info.free_bytes + placed;
     source << "device " << device_ << "'s free memory (" << format_bytes(info.free_bytes)
            << ") plus the managed bytes already placed on it (" << format_bytes(placed) << ")";
@@ -98,8 +97,9 @@ void ManagedResidency::admit(Segment& segment, StreamHandle stream) {
 
 void ManagedResidency::forget(const Segment& segment) { process_total_ -= segment.size; }
 
-void ManagedResidency::count_prefetch(const std::string& tag, std::size_t bytes, bool to_device) {
-  stats_.for_scopes(Mode::kManaged, tag, [&](ScopeStats& scope) {
+void ManagedResidency::count_prefetch(Mode mode, const std::string& tag, std::size_t bytes,
+                                      bool to_device) {
+  stats_.for_scopes(mode, tag, [&](ScopeStats& scope) {
     if (to_device) {
       scope.prefetch_to_device_bytes += static_cast<std::int64_t>(bytes);
     } else {
@@ -155,22 +155,22 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
   } catch (...) {
     error = std::current_exception();
   }
-  stats_.apply(Mode::kManaged, segment.tag, before, footprint(segment));
+  stats_.apply(segment.mode, segment.tag, before, footprint(segment));
   const bool to_device = to.kind == MemLocation::Kind::kDevice;
-  if (scheduled > 0) count_prefetch(segment.tag, scheduled, to_device);
+  if (scheduled > 0) count_prefetch(segment.mode, segment.tag, scheduled, to_device);
   if (start != nullptr) {
     EventHandle end = nullptr;
     try {
       end = take_event();
       driver_.event_record(device_, end, stream);
-      pending_.push_back(PendingTiming{start, end, segment.tag, to_device});
+      pending_.push_back(PendingTiming{start, end, segment.mode, segment.tag, to_device});
     } catch (const std::exception&) {
       spare_events_.push_back(start);  // timing is lost; the prefetch itself went out
       if (end != nullptr) spare_events_.push_back(end);
     }
   }
   if (scheduled == 0 && !error) {
-    stats_.for_scopes(Mode::kManaged, segment.tag,
+    stats_.for_scopes(segment.mode, segment.tag,
                       [](ScopeStats& scope) { ++scope.num_prefetch_skipped; });
   }
   if (error) std::rethrow_exception(error);
@@ -209,7 +209,7 @@ void ManagedResidency::evict(Segment& segment, StreamHandle stream) {
   driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kSetAccessedBy, device);
   segment.managed.evicted = true;
   prefetch_pages(segment, segment.ptr, segment.size, MemLocation::host(), stream);
-  stats_.for_scopes(Mode::kManaged, segment.tag, [&](ScopeStats& scope) {
+  stats_.for_scopes(segment.mode, segment.tag, [&](ScopeStats& scope) {
     ++scope.num_budget_evictions;
     scope.budget_eviction_bytes += static_cast<std::int64_t>(before);
   });
@@ -268,7 +268,7 @@ void ManagedResidency::collect_timings(bool wait) {
         continue;
       }
       const double seconds = driver_.event_elapsed_ms(device_, timing.start, timing.end) / 1e3;
-      stats_.for_scopes(Mode::kManaged, timing.tag, [&](ScopeStats& scope) {
+      stats_.for_scopes(timing.mode, timing.tag, [&](ScopeStats& scope) {
         if (timing.to_device) {
           scope.prefetch_to_device_seconds += seconds;
         } else {

@@ -92,6 +92,7 @@ class ManagedResidency {
   struct PendingTiming {
     EventHandle start;
     EventHandle end;
+    Mode mode;
     std::string tag;
     bool to_device;
   };
@@ -101,7 +102,7 @@ class ManagedResidency {
                              StreamHandle stream);
   void evict(Segment& segment, StreamHandle stream);
   void readmit(Segment& segment, StreamHandle stream);
-  void count_prefetch(const std::string& tag, std::size_t bytes, bool to_device);
+  void count_prefetch(Mode mode, const std::string& tag, std::size_t bytes, bool to_device);
   EventHandle take_event();
 
   Driver& driver_;

@@ -25,15 +25,26 @@ inline Footprint footprint(const Segment& segment) {
   print.allocated = static_cast<std::int64_t>(segment.size);
   print.requested = static_cast<std::int64_t>(segment.requested);
   print.segments = 1;
-  if (segment.mode == Mode::kManaged) {
+  if (segment.on_managed_memory()) {
     const auto on_device =
         static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kDevice));
+    const auto on_host =
+        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kHost));
     print.reserved = on_device;  // device memory it holds, as far as our prefetches know
     print.active = print.allocated;
     print.managed = print.allocated;
     print.managed_device = on_device;
-    print.managed_host =
-        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kHost));
+    print.managed_host = on_host;
+    if (segment.mode == Mode::kLms) {
+      // An lms block on managed memory is reclaimed when it was paged out (prefetched to the
+      // host); pages placed nowhere yet count as active.
+      const bool out = segment.lms.state == LmsState::kReclaimed;
+      print.reclaimed_bytes = out ? on_host : 0;
+      print.reclaimed = out ? 1 : 0;
+      print.active = print.allocated - print.reclaimed_bytes;
+      print.pinned = segment.lms.pins > 0 ? 1 : 0;
+      print.pinned_bytes = segment.lms.pins > 0 ? print.allocated : 0;
+    }
     return print;
   }
   const auto resident = static_cast<std::int64_t>(segment.resident_bytes());

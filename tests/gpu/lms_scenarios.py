@@ -26,6 +26,7 @@ import torch_uvm_saver as tus
 limit = int(sys.argv[1])
 helper = sys.argv[2] == "helper"
 tus.set_enabled_lms(True)
+tus.set_backing_lms(sys.argv[3])
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 width, depth, batch = 2048, 12, 4096
@@ -59,9 +60,10 @@ print("RESULT " + json.dumps({"losses": losses, "limit": tus.get_limit_lms(), **
 """
 
 
-def train(limit: int, helper: bool = False) -> dict:
+def train(limit: int, helper: bool = False, backing: str = "vmm") -> dict:
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     command = [sys.executable, "-c", TRAIN_SCRIPT, str(limit), "helper" if helper else "plain"]
+    command.append(backing)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -86,6 +88,11 @@ def training_under_half_the_footprint_matches_unlimited() -> None:
     print(f"with pin_parameters: pageouts {helped['num_pageouts.lms']}")
     assert helped["losses"] == free["losses"]
     assert helped["reserved_bytes.all.peak"] <= peak // 2
+    managed = train(peak // 2, backing="managed")  # page-out is a prefetch to the host
+    print(f"on managed memory: {json.dumps({k: v for k, v in managed.items() if k != 'losses'})}")
+    assert managed["losses"] == free["losses"]
+    assert managed["num_pageouts.lms"] > 0 and managed["num_pageins.lms"] > 0
+    assert managed["reserved_bytes.all.peak"] <= peak // 2  # the managed bytes placed on the GPU
 
 
 @scenario

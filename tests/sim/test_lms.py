@@ -212,6 +212,12 @@ def test_package_functions(process) -> None:
     allocator.block_free(ptr)
     tus.set_limit_lms(0)
     tus.set_size_lms(1 * MiB)
+    assert tus.get_backing_lms() == "vmm"
+    tus.set_backing_lms("managed")
+    assert tus.get_backing_lms() == "managed"
+    tus.set_backing_lms("vmm")
+    with pytest.raises(Exception, match="'vmm' or 'managed'"):
+        tus.set_backing_lms("device")
     assert not tus.get_enabled_lms()
     with pytest.raises(Exception, match=">= 0"):
         tus.set_limit_lms(-1)
@@ -252,3 +258,37 @@ def test_page_in_makes_the_using_stream_wait_not_the_host(driver, lms, fill, pee
     assert stats["lms_pageins_in_flight"] == 0
     assert stats["host_pool_cached_bytes.current"] == cached + 4 * MiB
     assert peek(ptr, 4 * MiB) == data
+
+
+@pytest.fixture
+def managed_lms(allocator):
+    allocator.set_lms_on_managed(True)
+    allocator.set_lms_limit(16 * MiB)
+    return allocator
+
+
+def test_on_managed_memory_page_out_is_a_prefetch_to_the_host(managed_lms, consistent) -> None:
+    ptrs = [block(managed_lms) for _ in range(4)]
+    assert managed_lms.is_managed(ptrs[0])
+    block(managed_lms)  # over the limit: the oldest goes to the host
+    attributes = managed_lms.range_attributes(ptrs[0], 4 * MiB)
+    assert attributes["last_prefetch_location"] == "cpu"
+    assert managed_lms.range_attributes(ptrs[1], 4 * MiB)["last_prefetch_location"] == "cuda:0"
+    stats = consistent(managed_lms)
+    assert stats["reclaimed_bytes.lms.current"] == 4 * MiB
+    assert stats["reserved_bytes.all.current"] <= 16 * MiB  # the device-placed managed bytes
+    assert stats["pageout_bytes.lms"] == 4 * MiB
+    assert stats["managed_host_bytes.lms.current"] == 4 * MiB
+    assert managed_lms.pin(ptrs[0], STREAM)  # a prefetch back; another block goes out first
+    assert managed_lms.range_attributes(ptrs[0], 4 * MiB)["last_prefetch_location"] == "cuda:0"
+    stats = consistent(managed_lms)
+    assert stats["pagein_bytes.lms"] == 4 * MiB
+    assert stats["reserved_bytes.all.current"] <= 16 * MiB
+    assert stats["reclaimed.lms.current"] == 1
+
+
+def test_the_backing_is_chosen_before_the_first_block(allocator) -> None:
+    block(allocator)
+    with pytest.raises(InvalidStateError, match="already holds lms blocks"):
+        allocator.set_lms_on_managed(True)
+    assert allocator.lms_on_managed() is False
