@@ -210,6 +210,7 @@ def test_package_functions(process) -> None:
     assert allocator.pin(ptr, 0) and allocator.unpin(ptr)
     assert tus.reclaim_inactive() == 4 * MiB
     allocator.block_free(ptr)
+    allocator.empty_cache()  # the cached block goes too: no lms blocks left
     tus.set_limit_lms(0)
     tus.set_size_lms(1 * MiB)
     assert tus.get_backing_lms() == "vmm"
