@@ -251,6 +251,7 @@ void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& ta
     return;
   }
   blocks_.release_free_segments();  // step 2: the cache's free segments first
+  if (excess() > 0 && lms_.paging_out_bytes() > 0) lms_.complete_page_outs(true);  // speculation
   if (excess() == 0) {
     ++counts.cudamalloc_retry;
     return;
@@ -432,7 +433,45 @@ bool Allocator::pin(DevicePtr ptr, StreamHandle stream) {
   if (segment == nullptr || segment->mode != Mode::kLms) return false;
   make_room_for_page_in_locked(*segment);
   lms_.pin(*segment, stream);
+  prefetch_ahead_locked(stream);
   return true;
+}
+
+void Allocator::prefetch_ahead_locked(StreamHandle stream) {
+  // Note [Speculation and prefetch]: only into room that is free already, never by reclaiming.
+  for (DevicePtr ptr : lms_.prefetch_candidates()) {
+    Segment* segment = segment_containing_locked(ptr);
+    if (segment == nullptr || segment->mode != Mode::kLms || segment->lms.managed ||
+        segment->lms.state != LmsState::kReclaimed) {
+      continue;
+    }
+    const auto held = static_cast<std::size_t>(stats_.all().reserved_bytes.current);
+    const std::size_t out = segment->size - segment->resident_bytes();
+    if (held + out > lms_.limit(held)) return;
+    try {
+      lms_.prefetch(*segment, stream);
+    } catch (const std::exception& error) {
+      log_once("lms_prefetch", std::string("lms prefetch failed (the block is paged in when "
+                                           "pinned instead): ") +
+                                   error.what());
+      return;
+    }
+  }
+}
+
+void Allocator::lms_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lms_.end_iteration();
+}
+
+void Allocator::set_lms_speculation(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lms_.set_speculation(on);
+}
+
+void Allocator::set_lms_prefetch_depth(std::size_t depth) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lms_.set_prefetch_depth(depth);
 }
 
 bool Allocator::unpin(DevicePtr ptr) {
@@ -724,6 +763,10 @@ StatsDict Allocator::stats() {
   out["lms_size_bytes"] = static_cast<std::int64_t>(lms_.size());
   out["lms_inactive_bytes"] = static_cast<std::int64_t>(lms_.inactive_bytes());
   out["lms_pageins_in_flight"] = static_cast<std::int64_t>(pauser_.async_in_flight());
+  out["lms_paging_out_bytes"] = static_cast<std::int64_t>(lms_.paging_out_bytes());
+  out["lms_ladder_pageouts"] = static_cast<std::int64_t>(lms_.ladder_pageouts());
+  out["lms_speculation"] = static_cast<std::int64_t>(lms_.speculation());
+  out["lms_prefetch_depth"] = static_cast<std::int64_t>(lms_.prefetch_depth());
   const AllocDistribution& distribution = lms_.distribution();
   out["alloc_distribution.freelist"] = distribution.freelist;
   out["alloc_distribution.cudamalloc"] = distribution.cudamalloc;

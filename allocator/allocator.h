@@ -118,6 +118,10 @@ class Allocator final : private SegmentSource {
   // Where lms blocks live: VMM (default; page-out copies to pinned host memory and unmaps) or
   // managed memory (page-out is a prefetch to the host). Refused once lms blocks exist.
   void set_lms_on_managed(bool managed);
+  // Note [Speculation and prefetch] in lms_residency.h; lms_step() ends an iteration.
+  void lms_step();
+  void set_lms_speculation(bool on);
+  void set_lms_prefetch_depth(std::size_t depth);
   bool lms_on_managed() const;
 
   // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
@@ -156,6 +160,7 @@ class Allocator final : private SegmentSource {
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
   void make_room_for_lms_locked(std::size_t size, const std::string& tag, bool for_page_in = false);
   void make_room_for_page_in_locked(Segment& segment);
+  void prefetch_ahead_locked(StreamHandle stream);
   void count_oom_locked(const RegionConfig& region);
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);

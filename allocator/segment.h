@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,7 @@ enum class LmsState : int {
   kActive = 1,     // resident and pinned: never reclaimed
   kInactive = 2,   // resident, pinned before and unpinned since: on the reclaim list
   kReclaimed = 3,  // paged out: its bytes are on the host, its addresses hold no memory
+  kPagingOut = 4,  // a speculative page-out's copy is in flight; still mapped until it is done
 };
 
 struct Segment;
@@ -58,6 +60,14 @@ struct LmsLinks {
   Segment* next = nullptr;
   StreamHandle stream = nullptr;  // the stream that last used it (allocation or pin)
   bool managed = false;           // on managed memory: page-out is a prefetch to the host
+  // LmsHistory bookkeeping (lms_history.h).
+  std::uint64_t last_unpin = 0;         // the unpin count of its last unpin...
+  std::uint64_t unpin_iteration = 0;    // ...in this iteration
+  EventHandle pageout_fence = nullptr;  // kPagingOut: on the stream that last used it
+  EventHandle pageout_done = nullptr;   // kPagingOut: after the copy to the host
+  bool speculative = false;             // paged out (or paging out) by speculation
+  std::uint64_t speculated_at = 0;      // ladder reclaims counted when the speculation began
+  bool prefetched = false;              // paged in ahead of use, not pinned since
 };
 
 struct Segment {

@@ -162,6 +162,11 @@ void bind_allocator(py::module_& module) {
       .def("set_lms_on_managed", &Allocator::set_lms_on_managed, py::arg("managed"),
            py::call_guard<py::gil_scoped_release>())
       .def("lms_on_managed", &Allocator::lms_on_managed, py::call_guard<py::gil_scoped_release>())
+      .def("lms_step", &Allocator::lms_step, py::call_guard<py::gil_scoped_release>())
+      .def("set_lms_speculation", &Allocator::set_lms_speculation, py::arg("on"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_lms_prefetch_depth", &Allocator::set_lms_prefetch_depth, py::arg("depth"),
+           py::call_guard<py::gil_scoped_release>())
       .def("free", &Allocator::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "enter_region",

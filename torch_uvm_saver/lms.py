@@ -33,13 +33,16 @@ __all__ = [
     "get_limit_lms",
     "get_size_lms",
     "lms_mode",
+    "lms_step",
     "pin",
     "pinned",
     "reclaim_inactive",
     "set_backing_lms",
     "set_enabled_lms",
     "set_limit_lms",
+    "set_prefetch_lms",
     "set_size_lms",
+    "set_speculation_lms",
     "unpin",
 ]
 
@@ -101,6 +104,26 @@ def set_backing_lms(kind: str, device: _native.DeviceLike = None) -> None:
 
 def get_backing_lms(device: _native.DeviceLike = None) -> str:
     return "managed" if _native.allocator(device).lms_on_managed() else "vmm"
+
+
+def lms_step(device: _native.DeviceLike = None) -> None:
+    """Mark the end of a training iteration. Speculative page-out and prefetch act on what the
+    previous iteration did, so they start after the first call; call it once per iteration."""
+    _native.allocator(device).lms_step()
+
+
+def set_speculation_lms(enabled: bool, device: _native.DeviceLike = None) -> None:
+    """Page a block out as soon as it is unpinned where the previous iteration had to reclaim the
+    block unpinned there (default on)."""
+    _native.allocator(device).set_lms_speculation(bool(enabled))
+
+
+def set_prefetch_lms(depth: int, device: _native.DeviceLike = None) -> None:
+    """At every pin, page in the blocks the previous iteration paged in at the next ``depth`` pins
+    (default 2; 0 turns prefetch off). Only into free room under the limit."""
+    if depth < 0:
+        raise InvalidArgumentError(f"a prefetch depth is >= 0, got {depth}")
+    _native.allocator(device).set_lms_prefetch_depth(int(depth))
 
 
 def reclaim_inactive(device: _native.DeviceLike = None) -> int:

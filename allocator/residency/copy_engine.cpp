@@ -41,4 +41,8 @@ void CopyEngine::synchronize() { driver_.stream_synchronize(device_, stream()); 
 
 void CopyEngine::record(EventHandle event) { driver_.event_record(device_, event, stream()); }
 
+void CopyEngine::wait_for(EventHandle event) {
+  driver_.stream_wait_event(device_, stream(), event);
+}
+
 }  // namespace tus

@@ -27,6 +27,8 @@ class CopyEngine {
   void synchronize();
   // Records `event` after every copy queued so far (for a consumer stream to wait on).
   void record(EventHandle event);
+  // Copies queued from now on start only once `event` has completed (no host wait).
+  void wait_for(EventHandle event);
 
  private:
   StreamHandle stream();

@@ -36,6 +36,17 @@
 //  instead of failing. "Held" device memory is then the managed bytes our prefetches placed there
 //  (Note [Tracked residency] in managed_residency.h).
 //
+// Note [Speculation and prefetch]
+//  Both act on the previous iteration (LmsHistory; an iteration ends at lms_step()) and are off
+//  until the first lms_step(). Speculative page-out (set_speculation): a block unpinned at a point
+//  where the previous iteration's ladder later reclaimed the block unpinned there is paged out at
+//  once, asynchronously (Note [Asynchronous pause]); pinning it while the copy is in flight just
+//  keeps it (a miss). It is a hit when the ladder had to reclaim memory before the block was
+//  wanted again, or the block stayed out to the end of the iteration. Prefetch (depth n): at every
+//  pin, the blocks the previous iteration paged in at the next n pins are paged in now, on the
+//  pinning stream, if they fit under the limit without reclaiming anything; a hit when pinned
+//  while still in. VMM blocks only: managed blocks are left to the driver.
+//
 // Note [The allocation ladder]
 //  When an `lms` allocation would take the device memory we hold past the limit, the Allocator
 //  climbs: (1) a cached block (counted as alloc_distribution.freelist), else a fresh segment under
@@ -51,9 +62,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "allocator/backing/backing.h"
 #include "allocator/driver/driver.h"
+#include "allocator/residency/lms_history.h"
 #include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
 #include "allocator/residency/reclaim_list.h"
@@ -110,16 +123,49 @@ class LmsResidency {
   //  instead of failing. "Held" device memory is then the managed bytes our prefetches placed there
   //  (Note [Tracked residency] in managed_residency.h).
   //
+  // Note [Speculation and prefetch]
+  //  Both act on the previous iteration (LmsHistory; an iteration ends at lms_step()) and are off
+  //  until the first lms_step(). Speculative page-out (set_speculation): a block unpinned at a
+  //  point where the previous iteration's ladder later reclaimed the block unpinned there is paged
+  //  out at once, asynchronously (Note [Asynchronous pause]); pinning it while the copy is in
+  //  flight just keeps it (a miss). It is a hit when the ladder had to reclaim memory before the
+  //  block was wanted again, or the block stayed out to the end of the iteration. Prefetch (depth
+  //  n): at every pin, the blocks the previous iteration paged in at the next n pins are paged in
+  //  now, on the pinning stream, if they fit under the limit without reclaiming anything; a hit
+  //  when pinned while still in. VMM blocks only: managed blocks are left to the driver.
+  //
   // Note [The allocation ladder], step 3: pages out inactive segments for `excess` bytes.
   ReclaimRung reclaim(std::size_t excess);
   // reclaim_inactive(): every inactive segment; returns the bytes paged out.
   std::size_t reclaim_all();
+
+  // Note [Speculation and prefetch].
+  void set_speculation(bool on) { speculation_ = on; }
+  bool speculation() const { return speculation_; }
+  void set_prefetch_depth(std::size_t depth) { prefetch_depth_ = depth; }
+  std::size_t prefetch_depth() const { return prefetch_depth_; }
+  void end_iteration();
+  // Addresses worth paging in now, after the pin just counted.
+  std::vector<DevicePtr> prefetch_candidates() const;
+  // Pages `segment` in ahead of use (it must be reclaimed); it stays inactive.
+  void prefetch(Segment& segment, StreamHandle stream);
+  // Bytes of speculative page-outs still in flight (held until their copies finish).
+  std::size_t paging_out_bytes() const;
+  // Page-outs the ladder had to do (allocations and page-ins that ran into the limit).
+  std::uint64_t ladder_pageouts() const { return ladder_reclaims_; }
+  // Finishes the speculative page-outs whose copies are done (all of them when `wait`).
+  void complete_page_outs(bool wait);
   std::size_t inactive_bytes() const { return list_.bytes(); }
   AllocDistribution& distribution() { return distribution_; }
 
  private:
   std::size_t page_out(Segment& segment);
   std::size_t page_out_managed(Segment& segment);
+  void start_speculative_page_out(Segment& segment);
+  void cancel_page_out(Segment& segment);
+  void finish_page_out(Segment& segment);
+  void settle_speculation(Segment& segment, bool needed);
+  void count(const Segment& segment, std::int64_t ScopeStats::* counter);
   void page_in(Segment& segment, StreamHandle stream);
   EventHandle fence_event();
   void retire_page_ins();
@@ -136,6 +182,14 @@ class LmsResidency {
   std::size_t default_limit_ = 0;  // measured once, when limit_ is 0
   std::size_t size_ = kDefaultSize;
   EventHandle fence_ = nullptr;
+  LmsHistory history_;
+  bool speculation_ = true;
+  std::size_t prefetch_depth_ = 2;
+  std::uint64_t ladder_reclaims_ = 0;
+  std::vector<Segment*> paging_out_;
+  std::vector<Segment*> speculated_;  // speculative, not settled yet
+  std::vector<Segment*> prefetched_;  // prefetched, not pinned yet
+  std::vector<EventHandle> spare_fences_;
 };
 
 }  // namespace tus

@@ -197,4 +197,45 @@ void PauseController::retire_async(bool wait) {
   in_flight_ = std::move(still);
 }
 
+EventHandle PauseController::start_backup(Segment& segment, EventHandle after) {
+  EventHandle done = take_event();
+  const bool new_buffer = !segment.backup;
+  try {
+    if (new_buffer) segment.backup = buffers_.acquire(segment.size, true);
+    copies_.wait_for(after);
+    for (Chunk& chunk : segment.chunks) {
+      if (!chunk.mapped || chunk.stale) continue;
+      chunk.backed_up = false;
+      copies_.to_host(segment.backup.bytes() + chunk.offset, segment.ptr + chunk.offset,
+                      chunk.size);
+    }
+    copies_.record(done);
+  } catch (...) {
+    drain_quietly(copies_);
+    if (new_buffer && segment.backup) drop_backup(segment);
+    spare_events_.push_back(done);
+    throw;
+  }
+  return done;
+}
+
+void PauseController::finish_backup(Segment& segment, Backing& backing, EventHandle done) {
+  driver_.event_synchronize(device_, done);  // completed already when the caller polled it
+  for (Chunk& chunk : segment.chunks) {
+    if (!chunk.mapped) continue;
+    if (!chunk.stale) chunk.backed_up = true;
+    backing.release_chunk(segment, chunk);
+  }
+}
+
+void PauseController::abandon_backup(Segment& segment, EventHandle done) {
+  if (segment.backup) {
+    in_flight_.push_back(InFlight{std::move(segment.backup), done});
+    segment.backup = HostBuffer{};
+  } else {
+    spare_events_.push_back(done);
+  }
+  for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
+}
+
 }  // namespace tus

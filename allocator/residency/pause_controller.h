@@ -23,6 +23,13 @@
 //  behind the page-in, and the host goes on. The backup's host buffer must outlive the copy
 //  reading it, so it is kept, out of the segment's reach, until that event completes.
 //
+// Note [Asynchronous pause]
+//  LMS's speculative page-out starts at unpin, when the kernels that used the block are still
+//  queued. start_backup() makes the copy stream wait for an event on that stream (on the device),
+//  queues the copy to the host and returns; the chunks are released only when the copy is done
+//  (finish_backup), so no kernel ever sees the memory go. A block wanted again before that is
+//  simply kept (abandon_backup).
+//
 // Note [Failure atomicity]
 //  A failed resume unmaps and releases every chunk it mapped, so the tag is exactly as paused as
 //  before and a later resume can succeed; a chunk it cannot unmap again is marked stale (mapped,
@@ -67,6 +74,19 @@ class PauseController {
   // Releases the backups of asynchronous resumes whose copies have completed (all of them,
   // waiting, when `wait`).
   void retire_async(bool wait);
+
+  // Note [Asynchronous pause]: queues the copy of `segment` to a new backup behind `after` (an
+  // event on the stream that last used it) and returns an event that completes after the copy.
+  // Nothing is unmapped yet. Throws with nothing changed.
+  EventHandle start_backup(Segment& segment, EventHandle after);
+  // After that event: marks the chunks backed up and releases them. A failure part way leaves
+  // each chunk either mapped, or released with its bytes in the backup (Note [Failure atomicity]).
+  void finish_backup(Segment& segment, Backing& backing, EventHandle done);
+  // The pause is called off (the segment is wanted again): the segment stays as it was, its new
+  // backup is released once `done` has completed.
+  void abandon_backup(Segment& segment, EventHandle done);
+  // Returns an event of start_backup's that is no longer needed.
+  void recycle(EventHandle event) { spare_events_.push_back(event); }
   std::size_t async_in_flight() const { return in_flight_.size(); }
 
  private:

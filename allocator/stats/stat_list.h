@@ -42,7 +42,13 @@
   X(num_pageouts, "lms segments paged out")                                               \
   X(num_pageins, "lms segments paged back in")                                            \
   X(pageout_bytes, "bytes copied to the host by lms page-outs")                           \
-  X(pagein_bytes, "bytes copied back by lms page-ins")
+  X(pagein_bytes, "bytes copied back by lms page-ins")                                    \
+  X(speculative_pageouts, "lms page-outs started at unpin from the last iteration")       \
+  X(speculative_hits, "speculative page-outs the limit needed (or kept out all along)")   \
+  X(speculative_misses, "speculative page-outs undone or paged back in with no need")     \
+  X(prefetches, "lms page-ins ahead of use from the last iteration's pin order")          \
+  X(prefetch_hits, "prefetched blocks pinned while still in")                             \
+  X(prefetch_misses, "prefetched blocks paged out again or never pinned")
 
 // Timers: seconds spent, summed over calls.
 #define TUS_TIMER_STATS(X)                                                               \

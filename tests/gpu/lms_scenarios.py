@@ -27,6 +27,9 @@ limit = int(sys.argv[1])
 helper = sys.argv[2] == "helper"
 tus.set_enabled_lms(True)
 tus.set_backing_lms(sys.argv[3])
+ahead = sys.argv[4] == "ahead"
+tus.set_speculation_lms(ahead)
+tus.set_prefetch_lms(2 if ahead else 0)
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 width, depth, batch = 2048, 12, 4096
@@ -42,28 +45,37 @@ target = torch.randn(batch, width, device="cuda")
 if limit:
     tus.set_limit_lms(limit)
 tus.reset_peak_memory_stats()
-losses = []
+import time
+losses, seconds = [], []
 for step in range(6):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with tus.lms_mode():
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(data), target)
         loss.backward()
         optimizer.step()
+    tus.lms_step()
     losses.append(loss.item())
+    torch.cuda.synchronize()
+    seconds.append(time.perf_counter() - start)
 torch.cuda.synchronize()
 stats = tus.memory_stats()
 keys = ("reserved_bytes.all.peak", "num_pageouts.lms", "num_pageins.lms", "pageout_bytes.lms",
-        "pagein_bytes.lms", "reclaimed_bytes.lms.current")
+        "pagein_bytes.lms", "reclaimed_bytes.lms.current", "speculative_pageouts.lms",
+        "speculative_hits.lms", "speculative_misses.lms", "prefetches.lms", "prefetch_hits.lms",
+        "prefetch_misses.lms", "lms_ladder_pageouts")
 result = {key: stats[key] for key in keys}
 result.update({k: v for k, v in stats.items() if k.startswith("alloc_distribution.")})
+result["step_s_last4"] = sorted(seconds[2:])
 print("RESULT " + json.dumps({"losses": losses, "limit": tus.get_limit_lms(), **result}))
 """
 
 
-def train(limit: int, helper: bool = False, backing: str = "vmm") -> dict:
+def train(limit: int, helper: bool = False, backing: str = "vmm", ahead: bool = False) -> dict:
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     command = [sys.executable, "-c", TRAIN_SCRIPT, str(limit), "helper" if helper else "plain"]
-    command.append(backing)
+    command += [backing, "ahead" if ahead else "plain"]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -79,7 +91,7 @@ def training_under_half_the_footprint_matches_unlimited() -> None:
     limited = train(peak // 2)
     summary = {key: value for key, value in limited.items() if key != "losses"}
     print(f"limit {peak // 2 / MiB:.0f} MiB: losses {limited['losses']}")
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
     assert limited["losses"] == free["losses"]  # every byte came back as it went out
     assert limited["reserved_bytes.all.peak"] <= peak // 2
     assert limited["num_pageouts.lms"] > 0 and limited["num_pageins.lms"] > 0
@@ -88,6 +100,13 @@ def training_under_half_the_footprint_matches_unlimited() -> None:
     print(f"with pin_parameters: pageouts {helped['num_pageouts.lms']}")
     assert helped["losses"] == free["losses"]
     assert helped["reserved_bytes.all.peak"] <= peak // 2
+    ahead = train(peak // 2, ahead=True)  # speculative page-out and prefetch
+    print(
+        f"with speculation and prefetch: {json.dumps({k: v for k, v in ahead.items() if k != 'losses'})}"
+    )
+    assert ahead["losses"] == free["losses"]
+    assert ahead["speculative_pageouts.lms"] > 0
+    assert ahead["reserved_bytes.all.peak"] <= peak // 2
     managed = train(peak // 2, backing="managed")  # page-out is a prefetch to the host
     print(f"on managed memory: {json.dumps({k: v for k, v in managed.items() if k != 'losses'})}")
     assert managed["losses"] == free["losses"]

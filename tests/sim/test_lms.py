@@ -293,3 +293,84 @@ def test_the_backing_is_chosen_before_the_first_block(allocator) -> None:
     with pytest.raises(InvalidStateError, match="already holds lms blocks"):
         allocator.set_lms_on_managed(True)
     assert allocator.lms_on_managed() is False
+
+
+def one_iteration(allocator, blocks: int = 5, repin_first: bool = False) -> list[int]:
+    """A training-like iteration under a 16 MiB limit: `blocks` blocks of 4 MiB are allocated
+    and used in turn (the fifth pushes the first out), optionally the first is used again at the
+    end (paging it in), then every block is freed and the iteration ends."""
+    ptrs = [block(allocator) for _ in range(blocks)]
+    if repin_first:
+        assert allocator.pin(ptrs[0], STREAM) and allocator.unpin(ptrs[0])
+    for ptr in ptrs:
+        allocator.block_free(ptr)
+    allocator.lms_step()
+    return ptrs
+
+
+def test_speculation_pages_out_at_unpin_where_the_last_iteration_reclaimed(lms) -> None:
+    lms.set_lms_prefetch_depth(0)
+    one_iteration(lms)
+    first = lms.stats()
+    assert first["lms_ladder_pageouts"] == 1 and first["speculative_pageouts.lms"] == 0
+    one_iteration(lms)
+    second = lms.stats()
+    assert second["speculative_pageouts.lms"] == 1  # unpinned where a block was reclaimed before
+    # The memory was free before the fifth block needed it: the ladder had nothing to do.
+    assert second["lms_ladder_pageouts"] == 1
+    assert second["speculative_hits.lms"] == 1  # it stayed out to the end of the iteration
+    assert second["speculative_misses.lms"] == 0
+
+
+def test_speculation_can_be_switched_off(lms) -> None:
+    lms.set_lms_speculation(False)
+    lms.set_lms_prefetch_depth(0)
+    one_iteration(lms)
+    one_iteration(lms)
+    stats = lms.stats()
+    assert stats["speculative_pageouts.lms"] == 0 and stats["lms_speculation"] == 0
+    assert stats["lms_ladder_pageouts"] == 2  # the ladder had to do it both times
+
+
+def test_a_speculative_page_out_called_off_keeps_the_bytes(driver, lms, fill, peek) -> None:
+    lms.set_lms_prefetch_depth(0)
+    one_iteration(lms, blocks=5)
+    driver.hold_events(True)  # the speculative copy stays in flight
+    ptr = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    data = fill(ptr, 4 * MiB)
+    assert lms.pin(ptr, STREAM) and lms.unpin(ptr)  # unpin #1: speculation starts
+    assert lms.stats()["lms_paging_out_bytes"] == 4 * MiB
+    assert lms.pin(ptr, STREAM)  # wanted again before the copy finished: called off
+    stats = lms.stats()
+    assert stats["speculative_misses.lms"] == 1 and stats["lms_paging_out_bytes"] == 0
+    assert resident(lms, ptr) and peek(ptr, 4 * MiB) == data
+    driver.hold_events(False)
+    lms.unpin(ptr)
+
+
+def test_prefetch_pages_in_ahead_of_use(driver, lms, fill, peek) -> None:
+    # Four blocks that live across iterations (like parameters); each iteration starts with all
+    # of them out (as after another phase used the memory) and then uses them in order.
+    lms.set_lms_speculation(False)
+    weights = [block(lms) for _ in range(4)]
+    data = [fill(p, 4 * MiB) for p in weights]
+    lms.lms_step()  # iterations are counted from here
+
+    def iteration() -> None:
+        lms.reclaim_inactive()
+        for ptr in weights:
+            assert lms.pin(ptr, STREAM) and lms.unpin(ptr)
+        lms.lms_step()
+
+    iteration()  # every pin paged its block in: the order is recorded
+    assert lms.stats()["prefetches.lms"] == 0
+    iteration()  # pin 1 pages in weights[0] and prefetches weights[1:3]; pin 2 prefetches [3]
+    stats = lms.stats()
+    assert stats["prefetches.lms"] == 3
+    assert stats["prefetch_hits.lms"] == 3 and stats["prefetch_misses.lms"] == 0
+    assert stats["reserved_bytes.all.peak"] <= 16 * MiB  # only into free room
+    for ptr, expected in zip(weights, data):
+        assert peek(ptr, 4 * MiB) == expected
+    lms.set_lms_prefetch_depth(0)
+    iteration()
+    assert lms.stats()["prefetches.lms"] == 3  # switched off
