@@ -101,9 +101,8 @@ def training_under_half_the_footprint_matches_unlimited() -> None:
     assert helped["losses"] == free["losses"]
     assert helped["reserved_bytes.all.peak"] <= peak // 2
     ahead = train(peak // 2, ahead=True)  # speculative page-out and prefetch
-    print(
-        f"with speculation and prefetch: {json.dumps({k: v for k, v in ahead.items() if k != 'losses'})}"
-    )
+    details = {key: value for key, value in ahead.items() if key != "losses"}
+    print(f"with speculation and prefetch: {json.dumps(details)}")
     assert ahead["losses"] == free["losses"]
     assert ahead["speculative_pageouts.lms"] > 0
     assert ahead["reserved_bytes.all.peak"] <= peak // 2
