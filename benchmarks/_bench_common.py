@@ -6,11 +6,14 @@ puts that folder first on `sys.path`.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import math
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +34,7 @@ __all__ = [
     "device_slug",
     "log",
     "pyplot",
+    "run_marked_child",
     "summary",
     "timed",
     "timed_events",
@@ -120,3 +124,62 @@ def pyplot() -> Any:
         log(f"matplotlib is not available ({error}); no plot written")
         return None
     return plt
+
+
+def run_marked_child(
+    command: list[str],
+    marker: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    indent: str = "    ",
+) -> dict:
+    """Runs `command`, echoing its stderr (indented) as it comes, killed after `timeout` seconds.
+
+    Returns {"result": the JSON of the last stdout line that starts with `marker` (None if there
+    is none), "returncode", "wall_s", "timed_out", "stderr_tail": its last 30 stderr lines}.
+    """
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    killed = threading.Event()
+
+    def pump() -> None:
+        for line in process.stderr:
+            tail.append(line.rstrip())
+            print(indent + line.rstrip(), file=sys.stderr, flush=True)
+
+    def kill() -> None:
+        killed.set()
+        process.kill()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    killer = threading.Timer(max(timeout, 1.0), kill)
+    killer.start()
+    start = time.perf_counter()
+    try:
+        stdout = process.stdout.read()
+        process.wait()
+    finally:
+        killer.cancel()
+    reader.join(timeout=10)
+    result = None
+    for line in stdout.splitlines():
+        if line.startswith(marker):
+            try:
+                result = json.loads(line[len(marker) :])
+            except json.JSONDecodeError as error:
+                result = {"error": f"unreadable result line: {error}"}
+    return {
+        "result": result,
+        "returncode": process.returncode,
+        "wall_s": time.perf_counter() - start,
+        "timed_out": killed.is_set(),
+        "stderr_tail": list(tail),
+    }
