@@ -1,0 +1,630 @@
+"""The child side of bench_oversubscription.py: what runs inside one child process.
+
+The parent launches every column, and the bandwidth measurement, as a process of its own by
+re-running `bench_oversubscription.py --child COLUMN ...`: the allocator hooks must be installed
+before CUDA initializes, and one column's state must not leak into the next. `child(args)` builds
+the model, trains with the column's setup (train) or measures the pinned copy_ bandwidth
+(measure_bandwidth), prints one line, MARK followed by the result's JSON, on stdout, and exits.
+
+Also holds what the three files share: the regimes and the names of the columns. What each column
+does and what is measured is described in the docstring of bench_oversubscription.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from _bench_common import GiB, MiB, log, summary, timed
+
+__all__ = [
+    "BUDGET",
+    "COLUMNS",
+    "DEVICE",
+    "FSDP",
+    "LIMITED",
+    "LMS_COLUMNS",
+    "MANAGED_COLUMNS",
+    "MARK",
+    "NATIVE",
+    "PEERS",
+    "REGIMES",
+    "SAVE_ON_CPU",
+    "VOCAB",
+    "child",
+    "describe",
+    "gib",
+    "measure_bandwidth",
+    "stat",
+    "train",
+]
+
+# Shared with the parent and the report: the result line's mark, the regimes, the columns.
+MARK = "OVERSUB_RESULT "
+DEVICE = "cuda"  # where the children train (a name, so that the steps can be tried elsewhere)
+VOCAB = 50257
+N_POSITIONS = 1024
+LR = 1e-4
+REGIMES: dict[str, dict[str, Any]] = {
+    "activation": {
+        "name": "GPT-2 medium",
+        "kind": "activation-heavy",
+        "n_layer": 24,
+        "n_embd": 1024,
+        "n_head": 16,
+    },
+    "state": {
+        "name": "GPT-2 XL",
+        "kind": "state-heavy",
+        "n_layer": 48,
+        "n_embd": 1600,
+        "n_head": 25,
+    },
+}
+NATIVE = "native"
+LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")
+BUDGET = "managed-budget"
+LIMITED = (*LMS_COLUMNS, BUDGET)
+SAVE_ON_CPU = "save-on-cpu"
+FSDP = "fsdp2-cpu-offload"
+PEERS = (SAVE_ON_CPU, FSDP)
+COLUMNS = (NATIVE, *LIMITED, *PEERS)
+MANAGED_COLUMNS = ("lms-managed", BUDGET)
+DESCRIPTIONS = {
+    NATIVE: "PyTorch's allocator, no limit",
+    "lms-vmm": "LMS, VMM, speculation + prefetch",
+    "lms-vmm-plain": "LMS, VMM, no speculation/prefetch",
+    "lms-managed": "LMS on managed memory",
+    BUDGET: "managed memory, device budget, no hints",
+    SAVE_ON_CPU: "save_on_cpu(pin_memory=True)",
+    FSDP: "FSDP2 + CPUOffloadPolicy, 1 GPU",
+}
+MANAGED_MARGIN = 1.1  # managed columns expect up to 1.1 x the unconstrained peak
+MIN_TIMED_STEPS = 2  # --child-target-s never cuts the timed steps below this
+BANDWIDTH_REPS = 5
+COUNTER_FAMILIES = (
+    "num_pageouts",
+    "num_pageins",
+    "pageout_bytes",
+    "pagein_bytes",
+    "pageout_seconds",
+    "pagein_seconds",
+    "speculative_pageouts",
+    "speculative_hits",
+    "speculative_misses",
+    "prefetches",
+    "prefetch_hits",
+    "prefetch_misses",
+    "prefetch_to_device_bytes",
+    "prefetch_to_host_bytes",
+    "prefetch_to_device_seconds",
+    "prefetch_to_host_seconds",
+    "num_prefetch_skipped",
+    "num_budget_evictions",
+    "budget_eviction_bytes",
+    "num_alloc_retries",
+    "num_block_cache_misses",
+    "num_ooms",
+    "num_managed_refusals",
+)
+GAUGE_KEYS = (
+    "reserved_bytes.all.peak",
+    "reserved_bytes.all.current",
+    "allocated_bytes.all.peak",
+    "block_bytes.all.peak",
+    "managed_bytes.all.peak",
+    "managed_device_bytes.all.peak",
+    "pinned_bytes.all.peak",
+    "reclaimed_bytes.all.peak",
+    "reclaimed_bytes.all.current",
+    "host_pool_bytes.current",
+)
+
+
+def gib(nbytes: float | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / GiB:.2f}"
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# ----------------------------------------------------------------------------- child process
+
+
+def describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, torch.OutOfMemoryError):
+        text = "out of memory: " + text
+    return text[:800]
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Errors after which the process should not try again (the CUDA context may be gone)."""
+    text = str(error)
+    return (
+        isinstance(error, torch.OutOfMemoryError)
+        or type(error).__name__ == "AcceleratorError"
+        or "CUDA error" in text
+        or "illegal memory access" in text
+    )
+
+
+def device_meta() -> dict:
+    index = torch.cuda.current_device()
+    meta = {
+        "device": torch.cuda.get_device_name(index),
+        "device_total_bytes": torch.cuda.get_device_properties(index).total_memory,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        meta["transformers"] = None
+    return meta
+
+
+def measure_bandwidth(args) -> dict:
+    """Pinned host <-> device copy_ of --bandwidth-gib each way: median of 5 after a warm-up."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("this benchmark needs a CUDA GPU")
+    nbytes = int(args.bandwidth_gib * GiB)
+    result = device_meta()
+    result["free_bytes_at_start"] = torch.cuda.mem_get_info()[0]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host)
+    host.copy_(device)
+    h2d = [timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(BANDWIDTH_REPS)]
+    d2h = [timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(BANDWIDTH_REPS)]
+    result["h2d"] = summary(h2d, nbytes)
+    result["d2h"] = summary(d2h, nbytes)
+    up, down = result["h2d"]["median_gbps"], result["d2h"]["median_gbps"]
+    result["link_gbps"] = 2.0 / (1.0 / up + 1.0 / down)
+    log(f"pinned copy_ {gib(nbytes)} GiB: h2d {up:.1f} GB/s, d2h {down:.1f} GB/s")
+    return result
+
+
+def install_backend(column: str, args) -> tuple[Any, dict]:
+    """The global hook and its settings, before CUDA initializes. (None, {}) for PyTorch's."""
+    if column in (NATIVE, *PEERS):
+        return None, {}
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialized before the allocator hook could be installed")
+    if os.environ.get("TUS_ALLOW_MANAGED_OVERSUBSCRIPTION"):
+        raise RuntimeError("refusing: TUS_ALLOW_MANAGED_OVERSUBSCRIPTION is set (never here)")
+    try:
+        import torch_uvm_saver as tus
+    except ImportError as error:
+        raise RuntimeError(
+            "torch_uvm_saver is not importable: install it first "
+            "(python3 -m pip install --no-build-isolation --no-deps -e .)"
+        ) from error
+    if args.limit <= 0:
+        raise RuntimeError(f"{column} needs --limit (bytes), got {args.limit}")
+    if column == BUDGET:
+        tus.set_enabled_uvm(True)
+        return tus, {"hook": "set_enabled_uvm(True)"}
+    tus.set_enabled_lms(True)
+    backing = "managed" if column == "lms-managed" else "vmm"
+    tus.set_backing_lms(backing)
+    tus.set_limit_lms(args.limit)
+    tus.set_size_lms(MiB)
+    speculation, depth = (False, 0) if column == "lms-vmm-plain" else (True, 2)
+    settings = {"hook": "set_enabled_lms(True)", "backing": backing}
+    try:
+        tus.set_speculation_lms(speculation)
+        tus.set_prefetch_lms(depth)
+        settings.update(speculation=speculation, prefetch_depth=depth)
+    except Exception as error:
+        if column != "lms-managed":
+            raise
+        # Speculation and prefetch act on VMM blocks only; managed ones are left to the driver.
+        settings["speculation_prefetch"] = f"not set: {describe(error)}"
+    settings["limit_bytes"] = int(tus.get_limit_lms())
+    settings["size_bytes"] = int(tus.get_size_lms())
+    settings["backing_in_force"] = tus.get_backing_lms()
+    return tus, settings
+
+
+def guard_managed(tus, args, free: int) -> dict:
+    """The shared GPU's rule: managed totals stay under half the free memory."""
+    half = free // 2
+    expected = int(args.native_peak * MANAGED_MARGIN)
+    if args.native_peak <= 0:
+        raise RuntimeError("refusing: a managed column needs --native-peak to check its footprint")
+    if expected >= half:
+        raise RuntimeError(
+            f"refusing: the expected managed footprint, {MANAGED_MARGIN} x the unconstrained "
+            f"peak = {gib(expected)} GiB, is not under half the free memory ({gib(half)} of "
+            f"{gib(free)} GiB free); managed totals must stay under half the free memory"
+        )
+    tus.set_managed_limit(half)
+    return {"free_bytes": free, "expected_bytes": expected, "managed_limit_bytes": half}
+
+
+def init_fsdp_group() -> Any:
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    torch.cuda.set_device(0)
+    store = Path(tempfile.mkdtemp(prefix="oversub_fsdp_")) / "store"
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    return dist
+
+
+def shard_with_offload(model: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, fully_shard
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for block in model.transformer.h:
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+
+
+def model_spec(args) -> dict:
+    spec = REGIMES[args.regime]
+    batch = args.activation_batch if args.regime == "activation" else args.state_batch
+    return {
+        "regime": args.regime,
+        "name": spec["name"],
+        "n_layer": spec["n_layer"],
+        "n_embd": spec["n_embd"],
+        "n_head": spec["n_head"],
+        "vocab": VOCAB,
+        "batch": batch,
+        "seq": args.seq,
+    }
+
+
+def build_model(spec: dict, seed: int) -> tuple[torch.nn.Module, dict]:
+    """GPT2LMHeadModel from a config, built on the GPU (same weights in every column)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=max(N_POSITIONS, spec["seq"]),
+        n_embd=spec["n_embd"],
+        n_layer=spec["n_layer"],
+        n_head=spec["n_head"],
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    built_on = DEVICE
+    try:
+        with torch.device(DEVICE):
+            model = GPT2LMHeadModel(config)
+    except Exception as error:
+        log(f"building on the GPU failed ({describe(error)}); building on the CPU instead")
+        gc.collect()
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+        built_on = "cpu"
+    if any(p.device.type != DEVICE for p in model.parameters()):
+        model = model.to(DEVICE)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    info = {
+        "parameters": params,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "dropout": [config.resid_pdrop, config.embd_pdrop, config.attn_pdrop],
+        "built_on": built_on,
+    }
+    return model, info
+
+
+def make_optimizer(column: str, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, str]:
+    params = list(model.parameters())
+    if column in LMS_COLUMNS:
+        # One parameter at a time: a multi-tensor kernel would need every parameter in at once.
+        return torch.optim.AdamW(params, lr=LR, foreach=False, fused=False), "AdamW foreach=False"
+    if column == FSDP:
+        return torch.optim.AdamW(params, lr=LR), "AdamW defaults, on the CPU (offloaded shards)"
+    return torch.optim.AdamW(params, lr=LR, fused=True), "AdamW fused"
+
+
+class SavedBytes:
+    """save_on_cpu(pin_memory=True) whose pack hook also counts the bytes it copies out."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.counted = True
+
+    def hooks(self) -> Any:
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        pack = getattr(hooks, "pack_hook", None)
+        if not callable(pack):
+            self.counted = False
+            return hooks
+
+        def counting_pack(tensor: torch.Tensor) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return pack(tensor)
+
+        hooks.pack_hook = counting_pack
+        return hooks
+
+
+def make_step(
+    column: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    tus: Any,
+    saved: SavedBytes | None,
+) -> Callable[[], tuple[float, float | None]]:
+    """One training iteration; returns (loss, optimizer seconds or None)."""
+
+    def forward_backward() -> torch.Tensor:
+        hooks = saved.hooks() if saved is not None else contextlib.nullcontext()
+        with hooks, torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    if column in LMS_COLUMNS:
+
+        def lms_step() -> tuple[float, float | None]:
+            # Every operator (the optimizer's and .item() included) runs with its inputs pinned.
+            with tus.lms_mode():
+                loss = forward_backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                value = float(loss)
+            tus.lms_step()
+            return value, None
+
+        return lms_step
+
+    def step() -> tuple[float, float | None]:
+        loss = forward_backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return float(loss), time.perf_counter() - start
+
+    return step
+
+
+def tus_counters(tus) -> dict[str, float]:
+    stats = tus.memory_stats()
+    counters = {}
+    for key, value in stats.items():
+        if not isinstance(value, (int, float)):
+            continue
+        family, _, scope = key.partition(".")
+        if key.startswith(("alloc_distribution.", "lms_ladder_pageouts")) or (
+            family in COUNTER_FAMILIES and scope in ("all", "lms", "managed")
+        ):
+            counters[key] = value
+    return counters
+
+
+def stat(stats: dict, *keys: str) -> float:
+    """The first of `keys` present (0 if none): key names may differ between library versions."""
+    for key in keys:
+        value = stats.get(key)
+        if isinstance(value, (int, float)):
+            return value
+    return 0
+
+
+def family_delta(before: dict, after: dict, family: str) -> float:
+    for key in (f"{family}.lms", f"{family}.all", family):
+        if key in after:
+            return after[key] - before.get(key, 0)
+    return 0
+
+
+def reset_peaks(tus) -> None:
+    if tus is None:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        tus.reset_peak_memory_stats()
+
+
+def read_peaks(tus) -> dict:
+    if tus is None:
+        return {
+            "reserved": torch.cuda.max_memory_reserved(),
+            "allocated": torch.cuda.max_memory_allocated(),
+        }
+    stats = tus.memory_stats()
+    return {
+        "reserved": stat(stats, "reserved_bytes.all.peak"),
+        "allocated": stat(stats, "allocated_bytes.all.peak"),
+        "blocks": stat(stats, "block_bytes.all.peak"),
+        "managed": stat(stats, "managed_bytes.all.peak"),
+    }
+
+
+def timed_step(step: Callable[[], tuple[float, float | None]]) -> tuple[float, float, Any]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss, optimizer_s = step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, loss, optimizer_s
+
+
+def train(column: str, args, result: dict) -> None:
+    """Sets up `column` and trains; fills `result` as it goes (a failure keeps what was found)."""
+    tus, settings = install_backend(column, args)  # first: before CUDA initializes
+    if not torch.cuda.is_available():
+        raise RuntimeError("this benchmark needs a CUDA GPU")
+    started = time.perf_counter()
+    free = torch.cuda.mem_get_info()[0]
+    spec = model_spec(args)
+    result.update(device_meta())
+    result.update(
+        regime=args.regime,
+        free_bytes_at_start=free,
+        model=spec,
+        backend=settings,
+        native_peak_bytes=args.native_peak or None,
+    )
+    if column in LIMITED:
+        result.update(ratio=args.ratio, limit_bytes=args.limit)
+    if column in MANAGED_COLUMNS:
+        result["managed_guard"] = guard_managed(tus, args, free)
+    if column == BUDGET:
+        tus.set_device_budget(args.limit)
+    dist = init_fsdp_group() if column == FSDP else None
+    log(f"{column}: building {spec['name']} ({args.regime}), batch {spec['batch']} x {spec['seq']}")
+    model, info = build_model(spec, args.seed)
+    spec.update(info)
+    if column == FSDP:
+        shard_with_offload(model)
+    gc.collect()
+    if tus is None:
+        torch.cuda.empty_cache()
+    optimizer, optimizer_text = make_optimizer(column, model)
+    result["optimizer"] = optimizer_text
+    pins = None
+    if column in LMS_COLUMNS and args.pin_parameters:
+        pins = tus.pin_parameters(model)  # keep the handle: the hooks hold it weakly
+    result["pin_parameters"] = pins is not None
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=generator).to(DEVICE)
+    saved = SavedBytes() if column == SAVE_ON_CPU else None
+    step = make_step(column, model, optimizer, ids, tus, saved)
+    result["setup_s"] = time.perf_counter() - started
+    millions = info["parameters"] / 1e6
+    log(f"{column}: {millions:.0f}M parameters, set up in {result['setup_s']:.1f} s")
+
+    done = 0
+
+    def one_step() -> tuple[float, float, Any]:
+        nonlocal pins, done
+        try:
+            outcome = timed_step(step)
+        except Exception as error:
+            if done > 0 or pins is None or is_fatal(error):
+                raise
+            # A module hook that does not suit the model must not cost the column: go on without.
+            traceback.print_exc()
+            log(f"{column}: the first step failed with pin_parameters; retrying without it")
+            pins.remove()
+            pins = None
+            result["pin_parameters"] = f"failed ({describe(error)}); ran without"
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            outcome = timed_step(step)
+        done += 1
+        return outcome
+
+    reset_peaks(tus)
+    losses: list[float] = []
+    warmup_s: list[float] = []
+    for i in range(args.warmup):
+        if time.time() > args.deadline:
+            raise TimeoutError(f"deadline reached after {i} of {args.warmup} warm-up steps")
+        seconds, loss, _ = one_step()
+        warmup_s.append(seconds)
+        result["warmup_s"] = warmup_s
+        losses.append(loss)
+        log(f"{column}: warm-up step {i + 1}/{args.warmup}: {seconds:.3f} s, loss {loss:.4f}")
+    peak_warmup = read_peaks(tus)
+    reset_peaks(tus)
+    before = tus_counters(tus) if tus is not None else {}
+    if saved is not None:
+        saved.bytes = 0
+    times: list[float] = []
+    optimizer_times: list[float] = []
+    for i in range(args.steps):
+        estimate = max(times) if times else (warmup_s[-1] if warmup_s else 0.0)
+        end = time.time() + estimate
+        if end > args.deadline or (len(times) >= MIN_TIMED_STEPS and end > args.soft_deadline):
+            if not times:
+                raise TimeoutError("the deadline leaves no time for a timed step")
+            log(f"{column}: stopping after {len(times)} timed steps (--child-target-s)")
+            break
+        seconds, loss, optimizer_s = one_step()
+        times.append(seconds)
+        losses.append(loss)
+        if optimizer_s is not None:
+            optimizer_times.append(optimizer_s)
+        log(f"{column}: step {i + 1}/{args.steps}: {seconds:.3f} s, loss {loss:.4f}")
+    peak_steady = read_peaks(tus)
+    after = tus_counters(tus) if tus is not None else {}
+    steps = len(times)
+    step_median = statistics.median(times)
+    tokens = spec["batch"] * spec["seq"]
+    result.update(
+        warmup_s=warmup_s,
+        step_s=times,
+        steps_timed=steps,
+        steps_reduced=steps < args.steps,
+        step_median_s=step_median,
+        step_min_s=min(times),
+        step_max_s=max(times),
+        tokens_per_step=tokens,
+        tokens_per_s=tokens / step_median,
+        optimizer_median_s=median(optimizer_times),
+        losses=losses,
+        peak_bytes=max(peak_warmup["reserved"], peak_steady["reserved"]),
+        peak_warmup=peak_warmup,
+        peak_steady=peak_steady,
+    )
+    if column in LMS_COLUMNS:
+        moved = family_delta(before, after, "pageout_bytes")
+        moved += family_delta(before, after, "pagein_bytes")
+        result.update(moved_bytes_per_step=moved / steps, moved_kind="measured")
+    elif column == BUDGET:
+        moved = family_delta(before, after, "prefetch_to_host_bytes")
+        moved += family_delta(before, after, "prefetch_to_device_bytes")
+        result.update(moved_bytes_per_step=moved / steps, moved_kind="prefetches")
+    elif column == SAVE_ON_CPU:
+        per_step = 2 * saved.bytes / steps if saved.counted else None
+        result.update(moved_bytes_per_step=per_step, moved_kind="measured")
+    elif column == FSDP:
+        result.update(moved_bytes_per_step=3 * info["parameter_bytes"], moved_kind="estimated")
+    else:
+        result.update(moved_bytes_per_step=0, moved_kind="none")
+    if tus is not None:
+        keys = set(before) | set(after)
+        result["tus_counters_delta"] = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)}
+        stats = tus.memory_stats()
+        result["tus_gauges"] = {key: stats[key] for key in GAUGE_KEYS if key in stats}
+    result["free_bytes_at_end"] = torch.cuda.mem_get_info()[0]
+    if dist is not None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def child(args) -> None:
+    column = args.child
+    code = 0
+    result: dict = {}
+    try:
+        if column == "bandwidth":
+            result = measure_bandwidth(args)
+        else:
+            train(column, args, result)
+    except Exception as error:
+        traceback.print_exc()
+        result["error"] = describe(error)
+        code = 1
+    result["column"] = column
+    print(MARK + json.dumps(result, default=str), flush=True)
+    sys.stderr.flush()
+    # The result is out: skip interpreter teardown (allocator hooks, NCCL), which could only
+    # turn a finished measurement into a crash report.
+    os._exit(code)
