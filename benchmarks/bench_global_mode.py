@@ -41,22 +41,29 @@ table last. Exits non-zero if a child failed (with --strict, also if a target fa
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 
 import torch
-from _bench_common import GiB, KiB, MiB, default_output, log, pyplot, utc_now, write_json
+from _bench_common import (
+    GiB,
+    KiB,
+    MiB,
+    default_output,
+    log,
+    pyplot,
+    run_marked_child,
+    utc_now,
+    write_json,
+)
 
 VARIANTS = ("native", "global-device", "global-managed")
 MARK = "GLOBAL_MODE_RESULT "
@@ -305,46 +312,18 @@ def child_command(variant: str, args) -> list[str]:
 
 def run_child(variant: str, args) -> dict:
     """Runs one child; its stderr is echoed (indented) as it comes, its result parsed."""
-    process = subprocess.Popen(
-        child_command(variant, args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=30)
-
-    def pump() -> None:
-        for line in process.stderr:
-            tail.append(line.rstrip())
-            print("    " + line.rstrip(), file=sys.stderr, flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    killer = threading.Timer(args.child_timeout, process.kill)
-    killer.start()
-    start = time.perf_counter()
-    try:
-        stdout = process.stdout.read()
-        process.wait()
-    finally:
-        killer.cancel()
-    reader.join(timeout=10)
-    wall = time.perf_counter() - start
-    result = None
-    for line in stdout.splitlines():
-        if line.startswith(MARK):
-            result = json.loads(line[len(MARK) :])
+    done = run_marked_child(child_command(variant, args), MARK, args.child_timeout)
+    result = done["result"]
     if result is None:
-        why = f"no result (exit code {process.returncode})"
-        if wall >= args.child_timeout:
+        why = f"no result (exit code {done['returncode']})"
+        if done["timed_out"]:
             why = f"killed after {args.child_timeout} s (--child-timeout)"
         result = {"variant": variant, "error": why}
-    if process.returncode != 0 and "error" not in result:
-        result["error"] = f"exit code {process.returncode}"
+    if done["returncode"] != 0 and "error" not in result:
+        result["error"] = f"exit code {done['returncode']}"
     if "error" in result:
-        result["stderr_tail"] = list(tail)
-    result["wall_s"] = wall
+        result["stderr_tail"] = done["stderr_tail"]
+    result["wall_s"] = done["wall_s"]
     return result
 
 
