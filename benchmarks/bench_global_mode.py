@@ -183,6 +183,20 @@ def train_steps(args) -> dict:
     return {"step_s": times, "losses": [float(loss) for loss in losses]}
 
 
+def timed_passes(one_pass, passes: int, ops: int) -> list[float]:
+    """Seconds per operation of `passes` runs of `one_pass` (`ops` operations each), after one
+    untimed warm-up run, with the device synchronized around each."""
+    one_pass()
+    samples = []
+    for _ in range(passes):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        one_pass()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / ops)
+    return samples
+
+
 def mix_loop(sizes: list[int], live: int, passes: int) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device())
     ring: list[torch.Tensor | None] = [None] * live
@@ -195,14 +209,7 @@ def mix_loop(sizes: list[int], live: int, passes: int) -> list[float]:
             ring[position] = torch.empty(size, dtype=torch.uint8, device=device)
             position = (position + 1) % live
 
-    one_pass()  # warm-up: fills the ring and the caches
-    samples = []
-    for _ in range(passes):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        one_pass()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / len(sizes))
+    samples = timed_passes(one_pass, passes, len(sizes))  # the warm-up fills ring and caches
     ring.clear()
     return samples
 
@@ -215,15 +222,7 @@ def tight_loop(nbytes: int, iters: int, passes: int) -> list[float]:
             x = torch.empty(nbytes, dtype=torch.uint8, device=device)
             del x
 
-    one_pass()
-    samples = []
-    for _ in range(passes):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        one_pass()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / iters)
-    return samples
+    return timed_passes(one_pass, passes, iters)
 
 
 def tus_stats(tus) -> dict:

@@ -256,10 +256,11 @@ def managed_prefetch(each: int, count: int, reps: int, budget: ManagedBudget) ->
     }
 
 
-def host_resident_reads(
-    tensors: list[torch.Tensor], reps: int, label: str
-) -> tuple[float, list[float], list[int]]:
-    """Cold read, timed reads and the bytes each untimed move to the host scheduled."""
+def host_resident_reads(tag: str, tensors: list[torch.Tensor], reps: int, label: str, **extra):
+    """Reads `tensors` on the GPU while they live on the host: a cold read, then `reps` timed
+    reads, each after an untimed move to the host (with the bytes it scheduled); checks the
+    contents survive. `extra` goes into the result as it is."""
+    before = checksums(tensors)
     scheduled = [force_to_host(tensors)]
     cold = timed_events(lambda: read_all(tensors))
     reads = []
@@ -267,7 +268,16 @@ def host_resident_reads(
         log(f"{label}: moving the data to the host, then read {rep + 1}/{reps}")
         scheduled.append(force_to_host(tensors))
         reads.append(timed_events(lambda: read_all(tensors)))
-    return cold, reads, scheduled
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return {
+        "tag": tag,
+        "cold_read_s": cold,
+        "read": summary(reads, total),
+        "to_host_scheduled_bytes": scheduled,
+        **extra,
+        "contents_intact": checksums(tensors) == before,
+        "stats": managed_stats(),
+    }
 
 
 def zero_copy_read(each: int, count: int, reps: int, budget: ManagedBudget) -> dict:
@@ -276,18 +286,7 @@ def zero_copy_read(each: int, count: int, reps: int, budget: ManagedBudget) -> d
     tensors = managed_tensors(
         tag, each, count, budget, preferred_location="cpu", accessed_by="cuda"
     )
-    before = checksums(tensors)
-    cold, reads, scheduled = host_resident_reads(tensors, reps, "zero-copy")
-    intact = checksums(tensors) == before
-    total = each * count
-    return {
-        "tag": tag,
-        "cold_read_s": cold,
-        "read": summary(reads, total),
-        "to_host_scheduled_bytes": scheduled,
-        "contents_intact": intact,
-        "stats": managed_stats(),
-    }
+    return host_resident_reads(tag, tensors, reps, "zero-copy")
 
 
 def fault_read(each: int, count: int, reps: int, budget: ManagedBudget) -> dict:
@@ -301,19 +300,7 @@ def fault_read(each: int, count: int, reps: int, budget: ManagedBudget) -> dict:
     except Exception as error:
         advise_note = f"tus.advise(t, preferred_location=None) failed: {error!r}"
         log(f"faults: {advise_note} (the region has no hints anyway; continuing)")
-    before = checksums(tensors)
-    cold, reads, scheduled = host_resident_reads(tensors, reps, "faults")
-    intact = checksums(tensors) == before
-    total = each * count
-    return {
-        "tag": tag,
-        "cold_read_s": cold,
-        "read": summary(reads, total),
-        "to_host_scheduled_bytes": scheduled,
-        "advise_note": advise_note,
-        "contents_intact": intact,
-        "stats": managed_stats(),
-    }
+    return host_resident_reads(tag, tensors, reps, "faults", advise_note=advise_note)
 
 
 def run_pattern(name: str, results: dict, errors: dict, call: Callable[[], dict]) -> None:

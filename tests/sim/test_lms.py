@@ -9,7 +9,12 @@ import pytest
 import torch
 
 import torch_uvm_saver as tus
-from torch_uvm_saver.errors import CudaError, InvalidStateError, OutOfMemoryError
+from torch_uvm_saver.errors import (
+    CudaError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfMemoryError,
+)
 
 MiB = 1 << 20
 STREAM = 0x1000
@@ -174,7 +179,7 @@ def test_pin_argument_errors(lms, allocator) -> None:
     other = allocator.malloc(2 * MiB)  # vmm memory: nothing to pin
     assert lms.pin(other, STREAM) is False
     assert lms.unpin(0x1234) is False
-    with pytest.raises(Exception, match="'lms', which cannot pause"):
+    with pytest.raises(InvalidArgumentError, match="'lms', which cannot pause"):
         allocator.pause("default")
 
 
@@ -217,10 +222,10 @@ def test_package_functions(process) -> None:
     tus.set_backing_lms("managed")
     assert tus.get_backing_lms() == "managed"
     tus.set_backing_lms("vmm")
-    with pytest.raises(Exception, match="'vmm' or 'managed'"):
+    with pytest.raises(InvalidArgumentError, match="'vmm' or 'managed'"):
         tus.set_backing_lms("device")
     assert not tus.get_enabled_lms()
-    with pytest.raises(Exception, match=">= 0"):
+    with pytest.raises(InvalidArgumentError, match=">= 0"):
         tus.set_limit_lms(-1)
 
 
