@@ -58,7 +58,8 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       managed_(*driver_, device),
       host_buffers_(*driver_, device),
       copies_(*driver_, device),
-      pauser_(*driver_, device, copies_, host_buffers_),
+      inbound_copies_(*driver_, device),
+      pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_),
       managed_residency_(*driver_, device, managed_, stats_),
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this) {
@@ -150,7 +151,10 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
   if (placed.on_managed_memory()) managed_residency_.admit(placed, stream);
-  if (placed.mode == Mode::kLms) lms_.admit(placed, single_block, stream);
+  if (placed.mode == Mode::kLms) {
+    lms_.admit(placed, single_block, stream);
+    keep_lms_headroom_locked();
+  }
   if (placed.mode == Mode::kManaged) {
     try {
       enforce_budget_locked(&placed, stream);
@@ -200,86 +204,12 @@ Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
   return allocate_segment_locked(size, stream, region, single_block);
 }
 
-void Allocator::make_room_for_page_in_locked(Segment& segment) {
-  if (segment.lms.state != LmsState::kReclaimed) return;
-  // The page-in maps memory too: it keeps to the limit like an allocation.
-  const std::size_t out = segment.on_managed_memory()
-                              ? managed_bytes_at(segment, MemLocation::Kind::kHost)
-                              : segment.size - segment.resident_bytes();
-  make_room_for_lms_locked(out, segment.tag, true);
-}
-
-void Allocator::set_lms_on_managed(bool managed) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (managed == lms_on_managed_) return;
-  if (!segments_of_mode_locked(Mode::kLms).empty()) {
-    TUS_THROW(InvalidState, "set_backing_lms: device "
-                                << device_
-                                << " already holds lms blocks; choose the backing before the "
-                                   "first lms allocation");
-  }
-  lms_on_managed_ = managed;
-}
-
-bool Allocator::lms_on_managed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lms_on_managed_;
-}
-
 std::vector<Segment*> Allocator::segments_of_mode_locked(Mode mode) {
   std::vector<Segment*> found;
   for (auto& [ptr, segment] : segments_) {
     if (segment->mode == mode) found.push_back(segment.get());
   }
   return found;
-}
-
-std::size_t Allocator::single_block_bytes(Mode mode) {
-  return mode == Mode::kLms ? lms_.size() : 0;
-}
-
-void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& tag,
-                                         bool for_page_in) {
-  // A page-in climbs the same ladder but is not an allocation: alloc_distribution skips it.
-  AllocDistribution scratch;
-  AllocDistribution& counts = for_page_in ? scratch : lms_.distribution();
-  auto held = [&] { return static_cast<std::size_t>(stats_.all().reserved_bytes.current); };
-  const std::size_t limit = lms_.limit(held());
-  auto excess = [&] { return held() + size > limit ? held() + size - limit : 0; };
-  if (excess() == 0) {
-    ++counts.cudamalloc;
-    return;
-  }
-  blocks_.release_free_segments();  // step 2: the cache's free segments first
-  if (excess() > 0 && lms_.paging_out_bytes() > 0) lms_.complete_page_outs(true);  // speculation
-  if (excess() == 0) {
-    ++counts.cudamalloc_retry;
-    return;
-  }
-  switch (lms_.reclaim(excess())) {  // step 3
-    case ReclaimRung::kOne:
-      ++counts.reclaim_one;
-      break;
-    case ReclaimRung::kFragments:
-      ++counts.reclaim_fragments;
-      break;
-    case ReclaimRung::kAll:
-      ++counts.reclaim_all;
-      break;
-    case ReclaimRung::kNone:
-      break;
-  }
-  if (excess() == 0) return;
-  const ScopeStats& lms = stats_.mode(Mode::kLms);
-  TUS_THROW(OutOfMemory, "lms: out of memory "
-                             << (for_page_in ? "paging in " : "allocating ") << format_bytes(size)
-                             << " (tag '" << tag << "') under the limit of " << format_bytes(limit)
-                             << ": " << format_bytes(held()) << " held on the device, "
-                             << format_bytes(lms.pinned_bytes.current) << " of it pinned, "
-                             << format_bytes(lms_.inactive_bytes()) << " inactive and reclaimable, "
-                             << format_bytes(lms.reclaimed_bytes.current)
-                             << " already paged out. Unpin tensors that are not in use, raise "
-                                "set_limit_lms, or lower set_size_lms so that more blocks can go");
 }
 
 void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
@@ -351,7 +281,7 @@ bool Allocator::block_free(DevicePtr ptr) noexcept {
   std::size_t bytes = 0;
   Segment* segment = nullptr;
   if (!blocks_.free(ptr, &bytes, &segment)) return false;
-  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.discard_backup(*segment);
+  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.release(*segment);
   stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
   });
@@ -426,86 +356,6 @@ RangeAttributes Allocator::range_attributes(DevicePtr ptr, std::size_t size) {
 }
 
 bool Allocator::is_managed(DevicePtr ptr) { return driver_->is_managed(device_, ptr); }
-
-bool Allocator::pin(DevicePtr ptr, StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Segment* segment = segment_containing_locked(ptr);
-  if (segment == nullptr || segment->mode != Mode::kLms) return false;
-  make_room_for_page_in_locked(*segment);
-  lms_.pin(*segment, stream);
-  prefetch_ahead_locked(stream);
-  return true;
-}
-
-void Allocator::prefetch_ahead_locked(StreamHandle stream) {
-  // Note [Speculation and prefetch]: only into room that is free already, never by reclaiming.
-  for (DevicePtr ptr : lms_.prefetch_candidates()) {
-    Segment* segment = segment_containing_locked(ptr);
-    if (segment == nullptr || segment->mode != Mode::kLms || segment->lms.managed ||
-        segment->lms.state != LmsState::kReclaimed) {
-      continue;
-    }
-    const auto held = static_cast<std::size_t>(stats_.all().reserved_bytes.current);
-    const std::size_t out = segment->size - segment->resident_bytes();
-    if (held + out > lms_.limit(held)) return;
-    try {
-      lms_.prefetch(*segment, stream);
-    } catch (const std::exception& error) {
-      log_once("lms_prefetch", std::string("lms prefetch failed (the block is paged in when "
-                                           "pinned instead): ") +
-                                   error.what());
-      return;
-    }
-  }
-}
-
-void Allocator::lms_step() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  lms_.end_iteration();
-}
-
-void Allocator::set_lms_speculation(bool on) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  lms_.set_speculation(on);
-}
-
-void Allocator::set_lms_prefetch_depth(std::size_t depth) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  lms_.set_prefetch_depth(depth);
-}
-
-bool Allocator::unpin(DevicePtr ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Segment* segment = segment_containing_locked(ptr);
-  if (segment == nullptr || segment->mode != Mode::kLms) return false;
-  lms_.unpin(*segment);
-  return true;
-}
-
-void Allocator::set_lms_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  lms_.set_limit(bytes);
-}
-
-std::size_t Allocator::lms_limit() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lms_.limit(static_cast<std::size_t>(stats_.all().reserved_bytes.current));
-}
-
-void Allocator::set_lms_size(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  lms_.set_size(bytes);
-}
-
-std::size_t Allocator::lms_size() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lms_.size();
-}
-
-std::size_t Allocator::reclaim_inactive() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lms_.reclaim_all();
-}
 
 void Allocator::set_device_budget(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -767,6 +617,7 @@ StatsDict Allocator::stats() {
   out["lms_ladder_pageouts"] = static_cast<std::int64_t>(lms_.ladder_pageouts());
   out["lms_speculation"] = static_cast<std::int64_t>(lms_.speculation());
   out["lms_prefetch_depth"] = static_cast<std::int64_t>(lms_.prefetch_depth());
+  out["lms_headroom_bytes"] = static_cast<std::int64_t>(lms_.headroom(lms_.resolved_limit()));
   const AllocDistribution& distribution = lms_.distribution();
   out["alloc_distribution.freelist"] = distribution.freelist;
   out["alloc_distribution.cudamalloc"] = distribution.cudamalloc;

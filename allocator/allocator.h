@@ -109,6 +109,11 @@ class Allocator final : private SegmentSource {
   // plus held device memory at the first `lms` allocation.
   bool pin(DevicePtr ptr, StreamHandle stream);
   bool unpin(DevicePtr ptr);
+  // One operator's inputs at once (lms_mode): pins every `lms` address of `ptrs`, all or none
+  // (a failure unpins the ones done and rethrows); returns how many were pinned. unpin_all
+  // undoes it, skipping blocks freed in between.
+  std::size_t pin_all(const std::vector<DevicePtr>& ptrs, StreamHandle stream);
+  std::size_t unpin_all(const std::vector<DevicePtr>& ptrs);
   void set_lms_limit(std::size_t bytes);
   std::size_t lms_limit();
   void set_lms_size(std::size_t bytes);
@@ -122,6 +127,9 @@ class Allocator final : private SegmentSource {
   void lms_step();
   void set_lms_speculation(bool on);
   void set_lms_prefetch_depth(std::size_t depth);
+  // Note [Paging out ahead] in lms_residency.h (off by default); nullopt: limit / 32.
+  void set_lms_headroom(std::optional<std::size_t> bytes);
+  std::size_t lms_headroom();
   bool lms_on_managed() const;
 
   // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
@@ -160,7 +168,12 @@ class Allocator final : private SegmentSource {
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
   void make_room_for_lms_locked(std::size_t size, const std::string& tag, bool for_page_in = false);
   void make_room_for_page_in_locked(Segment& segment);
+  void keep_lms_headroom_locked();
   void prefetch_ahead_locked(StreamHandle stream);
+  bool pin_locked(DevicePtr ptr, StreamHandle stream);
+  // `strict`: unpinning a block that is not pinned throws InvalidState (else returns false).
+  bool unpin_locked(DevicePtr ptr, bool strict);
+  std::size_t held_locked() const;  // device memory held, every mode
   void count_oom_locked(const RegionConfig& region);
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);
@@ -186,7 +199,8 @@ class Allocator final : private SegmentSource {
   DeviceBacking device_backing_;
   ManagedBacking managed_;
   HostBufferPool host_buffers_;
-  CopyEngine copies_;
+  CopyEngine copies_;          // pause/resume and page-outs
+  CopyEngine inbound_copies_;  // page-ins, so both directions of the link are used at once
   PauseController pauser_;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments_;  // by base address
   std::map<std::string, TagState> tags_;

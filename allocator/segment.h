@@ -46,7 +46,7 @@ enum class LmsState : int {
   kActive = 1,     // resident and pinned: never reclaimed
   kInactive = 2,   // resident, pinned before and unpinned since: on the reclaim list
   kReclaimed = 3,  // paged out: its bytes are on the host, its addresses hold no memory
-  kPagingOut = 4,  // a speculative page-out's copy is in flight; still mapped until it is done
+  kPagingOut = 4,  // a page-out's copy is in flight; still mapped until it is done
 };
 
 struct Segment;
@@ -60,14 +60,18 @@ struct LmsLinks {
   Segment* next = nullptr;
   StreamHandle stream = nullptr;  // the stream that last used it (allocation or pin)
   bool managed = false;           // on managed memory: page-out is a prefetch to the host
+  // Recorded on `stream` when the block went inactive (its last unpin, or a prefetch): a page-out
+  // copies behind it, so it waits for the kernels that used the block and for nothing else.
+  EventHandle last_use = nullptr;
   // LmsHistory bookkeeping (lms_history.h).
-  std::uint64_t last_unpin = 0;         // the unpin count of its last unpin...
-  std::uint64_t unpin_iteration = 0;    // ...in this iteration
-  EventHandle pageout_fence = nullptr;  // kPagingOut: on the stream that last used it
-  EventHandle pageout_done = nullptr;   // kPagingOut: after the copy to the host
-  bool speculative = false;             // paged out (or paging out) by speculation
-  std::uint64_t speculated_at = 0;      // ladder reclaims counted when the speculation began
-  bool prefetched = false;              // paged in ahead of use, not pinned since
+  std::uint64_t last_unpin = 0;        // the unpin count of its last unpin...
+  std::uint64_t unpin_iteration = 0;   // ...in this iteration
+  EventHandle pageout_done = nullptr;  // kPagingOut: after the copy to the host
+  bool ladder = false;              // kPagingOut: started by the ladder, whose wait reports errors
+  bool speculative = false;         // paged out (or paging out) by speculation
+  std::uint64_t speculated_at = 0;  // ladder reclaims counted when the speculation began
+  bool prefetched = false;          // paged in ahead of use, not pinned since
+  bool freed = false;               // its block was freed: cached, nothing in it is alive
 };
 
 struct Segment {

@@ -90,6 +90,7 @@ DESCRIPTIONS = {
     FSDP: "FSDP2 + CPUOffloadPolicy, 1 GPU",
 }
 MANAGED_MARGIN = 1.1  # managed columns expect up to 1.1 x the unconstrained peak
+LMS_OPTIMIZER_GROUP_BYTES = 256 * MiB  # parameters per fused AdamW group under LMS
 MIN_TIMED_STEPS = 2  # --child-target-s never cuts the timed steps below this
 BANDWIDTH_REPS = 5
 COUNTER_FAMILIES = (
@@ -223,18 +224,19 @@ def install_backend(column: str, args) -> tuple[Any, dict]:
     tus.set_backing_lms(backing)
     tus.set_limit_lms(args.limit)
     tus.set_size_lms(MiB)
-    speculation, depth = (False, 0) if column == "lms-vmm-plain" else (True, 2)
     settings = {"hook": "set_enabled_lms(True)", "backing": backing}
-    try:
-        tus.set_speculation_lms(speculation)
-        tus.set_prefetch_lms(depth)
-        settings.update(speculation=speculation, prefetch_depth=depth)
-    except Exception as error:
-        if column != "lms-managed":
-            raise
-        # Speculation and prefetch act on VMM blocks only; managed ones are left to the driver.
-        settings["speculation_prefetch"] = f"not set: {describe(error)}"
+    if column == "lms-vmm-plain":
+        tus.set_speculation_lms(False)
+        tus.set_prefetch_lms(0)
+    # Otherwise the library's defaults. Speculation and prefetch act on VMM blocks only (managed
+    # ones are left to the driver), as does paging out ahead.
+    stats = tus.memory_stats()
+    settings.update(
+        speculation=bool(stats.get("lms_speculation", 0)),
+        prefetch_depth=int(stats.get("lms_prefetch_depth", 0)),
+    )
     settings["limit_bytes"] = int(tus.get_limit_lms())
+    settings["headroom_bytes"] = int(tus.get_headroom_lms())
     settings["size_bytes"] = int(tus.get_size_lms())
     settings["backing_in_force"] = tus.get_backing_lms()
     return tus, settings
@@ -329,11 +331,35 @@ def build_model(spec: dict, seed: int) -> tuple[torch.nn.Module, dict]:
     return model, info
 
 
+def parameter_groups(params: list[torch.nn.Parameter], group_bytes: int) -> list[dict]:
+    """Consecutive parameters in groups of at most `group_bytes` (a larger one alone)."""
+    groups: list[dict] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if current and size + nbytes > group_bytes:
+            groups.append({"params": current})
+            current, size = [], 0
+        current.append(param)
+        size += nbytes
+    if current:
+        groups.append({"params": current})
+    return groups
+
+
 def make_optimizer(column: str, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, str]:
     params = list(model.parameters())
     if column in LMS_COLUMNS:
-        # One parameter at a time: a multi-tensor kernel would need every parameter in at once.
-        return torch.optim.AdamW(params, lr=LR, foreach=False, fused=False), "AdamW foreach=False"
+        # The fused kernel runs once per parameter group and needs the whole group (parameters,
+        # gradients and both moments: 4 x its parameter bytes) on the device at once, so the
+        # groups are kept small enough to fit under any limit tried here.
+        groups = parameter_groups(params, LMS_OPTIMIZER_GROUP_BYTES)
+        text = (
+            f"AdamW fused, {len(groups)} parameter groups of <= "
+            f"{LMS_OPTIMIZER_GROUP_BYTES // MiB} MiB"
+        )
+        return torch.optim.AdamW(groups, lr=LR, fused=True), text
     if column == FSDP:
         return torch.optim.AdamW(params, lr=LR), "AdamW defaults, on the CPU (offloaded shards)"
     return torch.optim.AdamW(params, lr=LR, fused=True), "AdamW fused"

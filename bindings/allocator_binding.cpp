@@ -151,6 +151,21 @@ void bind_allocator(py::module_& module) {
           "Pin the lms block holding `ptr` (paging it in if it was reclaimed); False if the "
           "address is not lms memory.")
       .def("unpin", &Allocator::unpin, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "pin_all",
+          [](Allocator& self, const std::vector<DevicePtr>& ptrs, std::uintptr_t stream) {
+            return self.pin_all(ptrs, reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("ptrs"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+          "Pin the lms blocks holding `ptrs`, all or none; returns how many were lms blocks.")
+      .def("unpin_all", &Allocator::unpin_all, py::arg("ptrs"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Undo pin_all (blocks freed in between are skipped); returns how many were unpinned.")
+      .def("set_lms_headroom", &Allocator::set_lms_headroom, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Bytes kept free under the LMS limit by paging out ahead (experimental, default 0); "
+           "None: limit / 32.")
+      .def("lms_headroom", &Allocator::lms_headroom, py::call_guard<py::gil_scoped_release>())
       .def("set_lms_limit", &Allocator::set_lms_limit, py::arg("bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("lms_limit", &Allocator::lms_limit, py::call_guard<py::gil_scoped_release>())

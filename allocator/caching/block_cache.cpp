@@ -19,6 +19,7 @@ struct BlockCache::Block {
   Block* next = nullptr;
   std::vector<StreamHandle> other_streams;  // record_stream: used there too
   std::vector<EventHandle> events;          // pending after free, one per other stream
+  EventHandle freed = nullptr;  // one-block segments: on `stream` at free (Note [Releasing ...])
 };
 
 struct BlockCache::Pool {
@@ -41,6 +42,7 @@ BlockCache::~BlockCache() {
   for (auto& [key, pool] : pools_) all.insert(pool->free_blocks.begin(), pool->free_blocks.end());
   for (Block* block : all) {
     for (EventHandle event : block->events) spare_events_.push_back(event);
+    if (block->freed != nullptr) spare_events_.push_back(block->freed);
     delete block;
   }
   for (EventHandle event : spare_events_) {
@@ -71,6 +73,10 @@ BlockCache::Block* BlockCache::best_fit(Pool& pool, StreamHandle stream, std::si
   Block* block = *it;
   if (pool.key.single && block->size != size) return nullptr;  // never a bigger single block
   pool.free_blocks.erase(it);
+  if (pool.key.single) {
+    single_free_bytes_ -= block->size;
+    recycle_freed_event(block);  // reused on the same stream: ordered after its last use
+  }
   return block;
 }
 
@@ -152,6 +158,7 @@ BlockCache::Block* BlockCache::take_cached(Pool& pool, StreamHandle stream, std:
     source_.reuse_segment(*block->segment, stream);
   } catch (...) {
     pool.free_blocks.insert(block);  // still cached; the allocation fails
+    if (pool.key.single) single_free_bytes_ += block->size;
     throw;
   }
   return block;
@@ -184,6 +191,7 @@ void BlockCache::return_to_pool(Block* block) {
     block = prev;
   }
   pool.free_blocks.insert(block);
+  if (pool.key.single) single_free_bytes_ += block->size;
 }
 
 bool BlockCache::free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment) {
@@ -193,6 +201,16 @@ bool BlockCache::free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment
   live_.erase(it);
   *block_bytes = block->size;
   *segment = block->segment;
+  if (block->pool->key.single) {
+    try {
+      block->freed = take_event();
+      driver_.event_record(device_, block->freed, block->stream);
+    } catch (const std::exception& error) {
+      // Without it, giving the segment back falls back to a device synchronize.
+      recycle_freed_event(block);
+      log_once("free_event", std::string("free: recording an event failed: ") + error.what());
+    }
+  }
   if (block->other_streams.empty()) {
     return_to_pool(block);
     return true;
@@ -271,13 +289,50 @@ std::size_t BlockCache::release_free_segments() {
   driver_.device_synchronize(device_);
   std::size_t released = 0;
   for (Block* block : whole) {
-    block->pool->free_blocks.erase(block);
     released += block->size;
-    Segment& segment = *block->segment;
-    delete block;
-    source_.release_segment(segment);
+    release_block(block);
   }
   return released;
+}
+
+std::size_t BlockCache::release_single_segments(std::size_t at_least, bool wait) {
+  std::vector<Block*> candidates;
+  for (auto& [key, pool] : pools_) {
+    if (!key.single) continue;
+    candidates.insert(candidates.end(), pool->free_blocks.begin(), pool->free_blocks.end());
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const Block* a, const Block* b) { return a->size > b->size; });
+  std::size_t released = 0;
+  for (Block* block : candidates) {
+    if (released >= at_least) break;
+    // Note [Releasing one-block segments]; without its event, the whole device.
+    if (block->freed == nullptr) {
+      if (!wait) continue;
+      driver_.device_synchronize(device_);
+    } else if (!driver_.event_query(device_, block->freed)) {
+      if (!wait) continue;  // its kernels are still queued: waiting would drain the queue
+      driver_.event_synchronize(device_, block->freed);
+    }
+    released += block->size;
+    release_block(block);
+  }
+  return released;
+}
+
+void BlockCache::release_block(Block* block) {
+  block->pool->free_blocks.erase(block);
+  if (block->pool->key.single) single_free_bytes_ -= block->size;
+  recycle_freed_event(block);
+  Segment& segment = *block->segment;
+  delete block;
+  source_.release_segment(segment);
+}
+
+void BlockCache::recycle_freed_event(Block* block) {
+  if (block->freed == nullptr) return;
+  spare_events_.push_back(block->freed);
+  block->freed = nullptr;
 }
 
 bool BlockCache::owns_segment(const Segment& segment) const {

@@ -22,6 +22,14 @@
 //  event recorded on each of those streams; it is reusable once they have all completed. Freeing
 //  memory back to the driver (empty_cache) synchronizes the device first.
 //
+// Note [Releasing one-block segments]
+//  LMS's ladder gives cached memory back before it pages anything out, many times an iteration.
+//  A device-wide synchronize each time would drain the queue that keeps the GPU busy. A block of
+//  a one-block segment is only ever used on its own stream (never split, and a block shared with
+//  other streams waits in the pending list), so its free records an event on that stream, and
+//  giving it back waits for that event alone. The ladder first gives back only blocks whose event
+//  has completed: waiting for a block freed a moment ago would drain the queue up to its free.
+//
 // Not thread-safe: the Allocator calls it under its mutex. Owns every Block it creates.
 #pragma once
 
@@ -84,6 +92,12 @@ class BlockCache {
   void record_stream(DevicePtr ptr, StreamHandle stream);
   // Gives wholly free segments back (after a device synchronize); returns their bytes.
   std::size_t release_free_segments();
+  // Note [Releasing one-block segments]: gives back free one-block segments, largest first,
+  // until `at_least` bytes are released; returns the bytes released. Without `wait`, only those
+  // whose kernels have finished (nothing waits).
+  std::size_t release_single_segments(std::size_t at_least, bool wait);
+  // Bytes of free one-block segments (what release_single_segments could give back).
+  std::size_t single_free_bytes() const { return single_free_bytes_; }
   // Forgets the blocks of a segment the Allocator is about to free for another reason.
   bool owns_segment(const Segment& segment) const;
 
@@ -120,6 +134,8 @@ class BlockCache {
   void split(Block* block, std::size_t size);
   void return_to_pool(Block* block);
   void process_pending_frees(bool wait);
+  void release_block(Block* block);
+  void recycle_freed_event(Block* block);
   EventHandle take_event();
 
   Driver& driver_;
@@ -130,6 +146,7 @@ class BlockCache {
   std::vector<Block*> pending_;  // freed, waiting for events on other streams
   std::vector<EventHandle> spare_events_;
   BlockCacheCounters counters_;
+  std::size_t single_free_bytes_ = 0;
 };
 
 }  // namespace tus

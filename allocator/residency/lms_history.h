@@ -12,6 +12,8 @@
 // Pure bookkeeping, no driver calls; not thread-safe (the Allocator's mutex covers it).
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <unordered_set>
 #include <utility>
@@ -37,8 +39,12 @@ class LmsHistory {
 
   // Was a block unpinned at `unpin` reclaimed by the ladder in the previous iteration?
   bool reclaimed_before(std::uint64_t unpin) const { return reclaimed_then_.count(unpin) > 0; }
-  // The blocks the previous iteration paged in at the `depth` pins after `pin`.
-  std::vector<DevicePtr> paged_in_after(std::uint64_t pin, std::size_t depth) const;
+  // Prefetch walks the previous iteration's page-ins once per iteration: [begin, end) are the
+  // indices of those still to consider at pin `pin`, the next `depth` after it, from the first
+  // not handled yet (prefetched, or found in already) on.
+  std::pair<std::size_t, std::size_t> prefetch_window(std::uint64_t pin, std::size_t depth) const;
+  DevicePtr paged_in_then(std::size_t index) const { return paged_in_then_[index].second; }
+  void handled_through(std::size_t index) { prefetch_cursor_ = std::max(prefetch_cursor_, index); }
 
   // lms_step(): this iteration becomes the previous one.
   void next_iteration();
@@ -51,6 +57,7 @@ class LmsHistory {
   std::unordered_set<std::uint64_t> reclaimed_then_;
   std::vector<std::pair<std::uint64_t, DevicePtr>> paged_in_now_;   // in pin order
   std::vector<std::pair<std::uint64_t, DevicePtr>> paged_in_then_;  // in pin order
+  std::size_t prefetch_cursor_ = 0;  // paged_in_then_ before it: handled this iteration
 };
 
 }  // namespace tus

@@ -1,6 +1,7 @@
 #include "allocator/residency/lms_residency.h"
 
 #include <chrono>
+#include <limits>
 
 #include "allocator/errors.h"
 #include "allocator/log.h"
@@ -10,12 +11,18 @@ namespace tus {
 
 namespace {
 
-// Pages go out and in through PauseController with a pooled pinned backup that is not retained
-// (the host copy is given back once the bytes are on the device again).
-const BackupPolicy kPagePolicy{false, true};
-
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <typename T>
+void erase_value(std::vector<T*>& items, T* value) {
+  for (auto it = items.begin(); it != items.end(); ++it) {
+    if (*it == value) {
+      items.erase(it);
+      return;
+    }
+  }
 }
 
 }  // namespace
@@ -32,29 +39,31 @@ LmsResidency::LmsResidency(Driver& driver, int device, Backing& backing, PauseCo
 LmsResidency::~LmsResidency() {
   // Test-made allocators only (registry allocators live forever); best effort.
   try {
-    complete_page_outs(true);
-    if (fence_ != nullptr) driver_.event_destroy(device_, fence_);
-    for (EventHandle event : spare_fences_) driver_.event_destroy(device_, event);
+    std::exception_ptr ignored;
+    while (!paging_out_.empty()) finish_page_out(*paging_out_.front(), ignored);
+    for (EventHandle event : spare_events_) driver_.event_destroy(device_, event);
   } catch (const std::exception&) {
   }
 }
 
-namespace {
-
-template <typename T>
-void erase_value(std::vector<T*>& items, T* value) {
-  for (auto it = items.begin(); it != items.end(); ++it) {
-    if (*it == value) {
-      items.erase(it);
-      return;
-    }
-  }
-}
-
-}  // namespace
-
 void LmsResidency::count(const Segment& segment, std::int64_t ScopeStats::* counter) {
   stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) { ++(scope.*counter); });
+}
+
+void LmsResidency::count_pageout(const Segment& segment, std::size_t moved, double seconds) {
+  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
+    if (moved > 0) ++scope.num_pageouts;
+    scope.pageout_bytes += static_cast<std::int64_t>(moved);
+    scope.pageout_seconds += seconds;
+  });
+}
+
+void LmsResidency::count_pagein(const Segment& segment, std::size_t moved, double seconds) {
+  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
+    ++scope.num_pageins;
+    scope.pagein_bytes += static_cast<std::int64_t>(moved);
+    scope.pagein_seconds += seconds;
+  });
 }
 
 std::size_t LmsResidency::limit(std::size_t held_bytes) {
@@ -66,16 +75,34 @@ std::size_t LmsResidency::limit(std::size_t held_bytes) {
   return default_limit_;
 }
 
-void LmsResidency::retire_page_ins() {
-  // Host copies of earlier page-ins go back to the pool once their copies are done, and finished
-  // speculative page-outs release their memory: a query per copy in flight, nothing when none is.
-  if (mover_.async_in_flight() > 0) mover_.retire_async(false);
-  if (!paging_out_.empty()) complete_page_outs(false);
+std::size_t LmsResidency::headroom(std::size_t limit) const {
+  return headroom_ ? std::min(*headroom_, limit) : limit / kAutoHeadroomDivisor;
 }
 
-EventHandle LmsResidency::fence_event() {
-  if (fence_ == nullptr) fence_ = driver_.event_create(device_);
-  return fence_;
+EventHandle LmsResidency::take_event() {
+  if (spare_events_.empty()) return driver_.event_create(device_);
+  EventHandle event = spare_events_.back();
+  spare_events_.pop_back();
+  return event;
+}
+
+void LmsResidency::record_last_use(Segment& segment) {
+  if (segment.lms.last_use == nullptr) segment.lms.last_use = take_event();
+  try {
+    driver_.event_record(device_, segment.lms.last_use, segment.lms.stream);
+  } catch (...) {
+    // Without it a page-out fences on the stream's tail instead (start_page_out).
+    spare_events_.push_back(segment.lms.last_use);
+    segment.lms.last_use = nullptr;
+    throw;
+  }
+}
+
+void LmsResidency::retire_page_ins() {
+  // Host copies of earlier page-ins go back to the pool once their copies are done, and finished
+  // page-outs release their memory: a query or two, nothing when no copy is in flight.
+  if (mover_.async_in_flight() > 0) mover_.retire_async(false);
+  if (!paging_out_.empty()) complete_page_outs(0);
 }
 
 void LmsResidency::admit(Segment& segment, bool single_block, StreamHandle stream) {
@@ -91,12 +118,12 @@ void LmsResidency::forget(Segment& segment) {
   if (segment.lms.state == LmsState::kPagingOut) {
     // Its memory is about to go back to the driver: the copy reading it must be done first.
     driver_.event_synchronize(device_, segment.lms.pageout_done);
-    mover_.abandon_backup(segment, segment.lms.pageout_done);
-    spare_fences_.push_back(segment.lms.pageout_fence);
-    erase_value(paging_out_, &segment);
+    cancel_page_out(segment);
   }
   erase_value(speculated_, &segment);
   erase_value(prefetched_, &segment);
+  if (segment.lms.last_use != nullptr) spare_events_.push_back(segment.lms.last_use);
+  segment.lms.last_use = nullptr;
 }
 
 void LmsResidency::pin(Segment& segment, StreamHandle stream) {
@@ -131,14 +158,25 @@ void LmsResidency::unpin(Segment& segment) {
     segment.lms.state = LmsState::kInactive;
     segment.lms.last_unpin = history_.count_unpin();
     segment.lms.unpin_iteration = history_.iteration();
-    if (segment.lms.reclaimable) list_.push_back(segment);
+    if (segment.lms.reclaimable) {
+      if (!segment.lms.managed) {
+        try {
+          record_last_use(segment);
+        } catch (const std::exception& error) {
+          log_once("lms_last_use", std::string("lms: recording a block's last use failed; its "
+                                               "page-out will wait for its whole stream: ") +
+                                       error.what());
+        }
+      }
+      list_.push_back(segment);
+    }
     speculate = speculation_ && segment.lms.reclaimable && !segment.lms.managed &&
                 history_.reclaimed_before(segment.lms.last_unpin);
   }
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
   if (!speculate) return;
   try {
-    start_speculative_page_out(segment);
+    start_page_out(segment, Cause::kSpeculation);
   } catch (const std::exception& error) {
     // Speculation is an optimization: the block stays inactive for the ladder to take.
     log_once("lms_speculation", std::string("speculative page-out failed: ") + error.what());
@@ -147,6 +185,8 @@ void LmsResidency::unpin(Segment& segment) {
 
 void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
   retire_page_ins();
+  segment.lms.freed = false;
+  // Its kernels write while the copy may still read: the copy's bytes are dropped, nothing else.
   if (segment.lms.state == LmsState::kPagingOut) cancel_page_out(segment);
   if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);  // counts itself
   const Footprint before = footprint(segment);
@@ -159,11 +199,25 @@ void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
-void LmsResidency::discard_backup(Segment& segment) {
-  if (segment.lms.state != LmsState::kReclaimed) return;
+void LmsResidency::release(Segment& segment) {
   const Footprint before = footprint(segment);
-  // No copy back on the next use: nothing in it is alive any more.
-  for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
+  segment.lms.freed = true;
+  list_.remove(segment);
+  segment.lms.pins = 0;  // a block freed while pinned (an op's out= resized) keeps no pin
+  if (segment.lms.prefetched) {
+    segment.lms.prefetched = false;
+    erase_value(prefetched_, &segment);
+    count(segment, &ScopeStats::prefetch_misses);
+  }
+  if (segment.lms.state == LmsState::kReclaimed) {
+    // Paged out: it stays out (a reuse maps fresh memory) and nothing is copied back.
+    if (!segment.lms.managed) mover_.discard_backup(segment);
+  } else if (segment.lms.state != LmsState::kPagingOut) {
+    segment.lms.state = LmsState::kAllocated;
+  }
+  // A page-out under way goes on: its copy still reads the memory, which the cache must not give
+  // back before it is done (forget() waits for it then). Once done it frees the memory, which is
+  // what a freed block is good for, and its bytes are dropped (finish_page_out).
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
@@ -177,15 +231,106 @@ std::size_t LmsResidency::page_out_managed(Segment& segment) {
   list_.remove(segment);
   segment.lms.state = LmsState::kReclaimed;
   stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
-  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
-    ++scope.num_pageouts;
-    scope.pageout_bytes += static_cast<std::int64_t>(moved);
-    scope.pageout_seconds += seconds_since(start);
-  });
+  count_pageout(segment, moved, seconds_since(start));
   return segment.size;  // off the device as far as the limit is concerned
 }
 
-std::size_t LmsResidency::page_out(Segment& segment) {
+void LmsResidency::start_page_out(Segment& segment, Cause cause) {
+  const auto start = std::chrono::steady_clock::now();
+  // Note [LMS ordering]: behind the block's last use, or, if that could not be recorded, behind
+  // everything queued on its stream so far. Either way on the device, not the host.
+  if (segment.lms.last_use == nullptr) record_last_use(segment);
+  const Footprint before = footprint(segment);
+  segment.lms.pageout_done = mover_.start_backup(segment, segment.lms.last_use);
+  list_.remove(segment);
+  segment.lms.state = LmsState::kPagingOut;
+  segment.lms.ladder = cause == Cause::kLadder;
+  paging_out_.push_back(&segment);
+  paging_out_bytes_ += segment.size;
+  if (cause == Cause::kSpeculation) {
+    segment.lms.speculative = true;
+    segment.lms.speculated_at = ladder_reclaims_;
+    speculated_.push_back(&segment);
+    count(segment, &ScopeStats::speculative_pageouts);
+  } else if (cause == Cause::kAhead) {
+    count(segment, &ScopeStats::pageouts_ahead);
+  }
+  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));  // its host buffer
+  count_pageout(segment, 0, seconds_since(start));
+}
+
+void LmsResidency::cancel_page_out(Segment& segment) {
+  // Wanted again before its copy finished (or freed, its memory going back): it never left.
+  const Footprint before = footprint(segment);
+  mover_.abandon_backup(segment, segment.lms.pageout_done);
+  segment.lms.pageout_done = nullptr;
+  erase_value(paging_out_, &segment);
+  paging_out_bytes_ -= segment.size;
+  segment.lms.state = LmsState::kInactive;
+  segment.lms.ladder = false;
+  if (segment.lms.speculative) settle_speculation(segment, false);
+  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
+}
+
+std::size_t LmsResidency::finish_page_out(Segment& segment, std::exception_ptr& error) {
+  const auto start = std::chrono::steady_clock::now();
+  const Footprint before = footprint(segment);
+  EventHandle done = segment.lms.pageout_done;
+  try {
+    mover_.finish_backup(segment, backing_, done);  // waits for the copy if it is still running
+  } catch (...) {
+    error = std::current_exception();
+  }
+  mover_.recycle(done);
+  segment.lms.pageout_done = nullptr;
+  segment.lms.ladder = false;
+  erase_value(paging_out_, &segment);
+  paging_out_bytes_ -= segment.size;
+  const Footprint after = footprint(segment);
+  stats_.apply(Mode::kLms, segment.tag, before, after);
+  if (segment.resident_bytes() < segment.size) {
+    // Partly or wholly out. A partial page-out (a failure half way, Note [Failure atomicity]) is
+    // finished by the next page-in.
+    segment.lms.state = LmsState::kReclaimed;
+  } else if (!segment.lms.freed) {
+    segment.lms.state = LmsState::kInactive;  // nothing went: it can be reclaimed as usual
+    if (segment.lms.reclaimable && segment.lms.pins == 0) list_.push_back(segment);
+  } else {
+    segment.lms.state = LmsState::kAllocated;
+  }
+  const auto moved = static_cast<std::size_t>(before.active - after.active);
+  count_pageout(segment, moved, seconds_since(start));
+  if (segment.lms.freed && segment.lms.state == LmsState::kReclaimed) {
+    mover_.discard_backup(segment);  // freed while its copy ran: the bytes are dead
+    stats_.apply(Mode::kLms, segment.tag, after, footprint(segment));
+  }
+  return static_cast<std::size_t>(before.reserved - after.reserved);
+}
+
+std::size_t LmsResidency::complete_page_outs(std::size_t wait_for_bytes) {
+  std::size_t freed = 0;
+  std::exception_ptr first_error;
+  while (!paging_out_.empty()) {
+    Segment& segment = *paging_out_.front();
+    // Copies finish in the order they were queued: the first one still running ends the poll.
+    if (freed >= wait_for_bytes && !driver_.event_query(device_, segment.lms.pageout_done)) break;
+    const bool waited = freed < wait_for_bytes;
+    std::exception_ptr error;
+    freed += finish_page_out(segment, error);
+    if (!error) continue;
+    if (waited && !first_error) {
+      first_error = error;
+    } else {
+      log_once("lms_finish_pageout",
+               "finishing a page-out failed; the block is kept (partly) on the device and its "
+               "backup holds the rest");
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  return freed;
+}
+
+std::size_t LmsResidency::reclaim_one(Segment& segment) {
   // The ladder needed this block's memory: remembered for the next iteration's speculation.
   ++ladder_reclaims_;
   if (segment.lms.unpin_iteration == history_.iteration() && segment.lms.last_unpin != 0) {
@@ -197,109 +342,93 @@ std::size_t LmsResidency::page_out(Segment& segment) {
     count(segment, &ScopeStats::prefetch_misses);
   }
   if (segment.lms.managed) return page_out_managed(segment);
-  const auto start = std::chrono::steady_clock::now();
-  const Footprint before = footprint(segment);
-  std::exception_ptr error;
-  try {
-    // Note [LMS ordering]: only the stream that last used it must be done with it.
-    EventHandle fence = fence_event();
-    driver_.event_record(device_, fence, segment.lms.stream);
-    driver_.event_synchronize(device_, fence);
-    const bool keep = segment.cpu_backup;
-    segment.cpu_backup = true;  // page-out always keeps the bytes
-    try {
-      mover_.pause({&segment}, backing_, kPagePolicy, /*fenced=*/true);
-    } catch (...) {
-      segment.cpu_backup = keep;
-      throw;
+  start_page_out(segment, Cause::kLadder);
+  return segment.size;
+}
+
+ReclaimRung LmsResidency::reclaim(std::size_t excess) {
+  retire_page_ins();
+  if (excess == 0) return ReclaimRung::kNone;
+  // Page-outs already under way count towards the excess: only the rest is started here.
+  const std::size_t need = excess > paging_out_bytes_ ? excess - paging_out_bytes_ : 0;
+  ReclaimRung rung = ReclaimRung::kNone;
+  if (need > 0 && list_.size() > 0) {
+    // reclaim_one: the smallest inactive segment that covers it, LRU first among equals.
+    Segment* best = nullptr;
+    for (Segment* s = list_.least_recent(); s != nullptr; s = ReclaimList::more_recent(*s)) {
+      if (s->size >= need && (best == nullptr || s->size < best->size)) best = s;
     }
-    segment.cpu_backup = keep;
-  } catch (...) {
-    error = std::current_exception();
+    if (best != nullptr) {
+      reclaim_one(*best);
+      rung = ReclaimRung::kOne;
+    } else if (list_.bytes() < need) {
+      while (list_.least_recent() != nullptr) reclaim_one(*list_.least_recent());
+      rung = ReclaimRung::kAll;
+    } else {
+      std::size_t started = 0;
+      while (started < need && list_.least_recent() != nullptr) {
+        started += reclaim_one(*list_.least_recent());
+      }
+      rung = ReclaimRung::kFragments;
+    }
   }
-  const Footprint after = footprint(segment);
-  stats_.apply(Mode::kLms, segment.tag, before, after);
-  const auto moved = static_cast<std::size_t>(before.active - after.active);
-  if (segment.resident_bytes() < segment.size) {
-    // Partly or wholly out: no longer inactive-resident. A partial page-out (a failure half way,
-    // Note [Failure atomicity]) is finished by the next page-in.
-    list_.remove(segment);
-    segment.lms.state = LmsState::kReclaimed;
+  complete_page_outs(excess);
+  return rung;
+}
+
+std::size_t LmsResidency::reclaim_all() {
+  retire_page_ins();
+  std::size_t freed = 0;
+  while (list_.least_recent() != nullptr) {
+    Segment& segment = *list_.least_recent();
+    const std::size_t bytes = reclaim_one(segment);
+    if (segment.lms.managed) freed += bytes;
   }
-  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
-    if (moved > 0) ++scope.num_pageouts;
-    scope.pageout_bytes += static_cast<std::int64_t>(moved);
-    scope.pageout_seconds += seconds_since(start);
-  });
-  if (error) std::rethrow_exception(error);
-  return moved;
+  return freed + complete_page_outs(std::numeric_limits<std::size_t>::max());
+}
+
+std::size_t LmsResidency::page_out_ahead(std::size_t bytes) {
+  std::size_t started = 0;
+  while (started < bytes) {
+    Segment* segment = list_.least_recent();
+    if (segment == nullptr || segment->lms.managed) break;
+    try {
+      start_page_out(*segment, Cause::kAhead);
+    } catch (const std::exception& error) {
+      // An optimization: the ladder pages it out when it must (and reports the error then).
+      log_once("lms_ahead", std::string("lms: paging out ahead failed: ") + error.what());
+      break;
+    }
+    started += segment->size;
+  }
+  return started;
 }
 
 void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   const auto start = std::chrono::steady_clock::now();
   if (segment.lms.speculative)
     settle_speculation(segment, ladder_reclaims_ > segment.lms.speculated_at);
-  if (segment.lms.managed) {
-    const std::size_t moved = managed_.prefetch(&segment, segment.ptr, segment.size,
-                                                MemLocation::on_device(device_), stream);
-    const Footprint placed = footprint(segment);
-    segment.lms.state = LmsState::kAllocated;
-    segment.lms.stream = stream;
-    stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
-    stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
-      ++scope.num_pageins;
-      scope.pagein_bytes += static_cast<std::int64_t>(moved);
-      scope.pagein_seconds += seconds_since(start);
-    });
-    return;
-  }
-  retire_page_ins();
   const Footprint before = footprint(segment);
-  std::size_t copied = 0;
-  for (const Chunk& chunk : segment.chunks) {
-    if ((!chunk.mapped || chunk.stale) && chunk.backed_up && segment.backup) copied += chunk.size;
+  std::size_t moved = 0;
+  if (segment.lms.managed) {
+    // The prefetch applies what it changes in page placement to the stats; the state is ours.
+    moved = managed_.prefetch(&segment, segment.ptr, segment.size, MemLocation::on_device(device_),
+                              stream);
+  } else {
+    retire_page_ins();
+    for (const Chunk& chunk : segment.chunks) {
+      if ((!chunk.mapped || chunk.stale) && chunk.backed_up && segment.backup) moved += chunk.size;
+    }
+    // Note [LMS ordering]: the using stream waits for the copy, the host does not. Throws
+    // OutOfMemory with nothing changed (the mapping is rolled back): the caller's pin or
+    // allocation fails, the bytes stay safe on the host.
+    mover_.resume_async(segment, backing_, stream);
   }
-  // Note [LMS ordering]: the using stream waits for the copy, the host does not. Throws
-  // OutOfMemory with nothing changed (the mapping is rolled back): the caller's pin or allocation
-  // fails, the bytes stay safe on the host.
-  mover_.resume_async(segment, backing_, stream);
+  const Footprint placed = segment.lms.managed ? footprint(segment) : before;
   segment.lms.state = LmsState::kAllocated;  // the caller pins it or hands it out
   segment.lms.stream = stream;
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
-  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
-    ++scope.num_pageins;
-    scope.pagein_bytes += static_cast<std::int64_t>(copied);
-    scope.pagein_seconds += seconds_since(start);
-  });
-}
-
-ReclaimRung LmsResidency::reclaim(std::size_t excess) {
-  retire_page_ins();
-  if (excess == 0 || list_.size() == 0) return ReclaimRung::kNone;
-  // reclaim_one: the smallest inactive segment that covers the excess, LRU first among equals.
-  Segment* best = nullptr;
-  for (Segment* s = list_.least_recent(); s != nullptr; s = ReclaimList::more_recent(*s)) {
-    if (s->size >= excess && (best == nullptr || s->size < best->size)) best = s;
-  }
-  if (best != nullptr) {
-    page_out(*best);
-    return ReclaimRung::kOne;
-  }
-  if (list_.bytes() < excess) {
-    reclaim_all();
-    return ReclaimRung::kAll;
-  }
-  std::size_t freed = 0;
-  while (freed < excess && list_.least_recent() != nullptr) {
-    freed += page_out(*list_.least_recent());
-  }
-  return ReclaimRung::kFragments;
-}
-
-std::size_t LmsResidency::reclaim_all() {
-  std::size_t freed = 0;
-  while (list_.least_recent() != nullptr) freed += page_out(*list_.least_recent());
-  return freed;
+  stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
+  count_pagein(segment, moved, seconds_since(start));
 }
 
 void LmsResidency::settle_speculation(Segment& segment, bool needed) {
@@ -308,99 +437,26 @@ void LmsResidency::settle_speculation(Segment& segment, bool needed) {
   count(segment, needed ? &ScopeStats::speculative_hits : &ScopeStats::speculative_misses);
 }
 
-void LmsResidency::start_speculative_page_out(Segment& segment) {
-  EventHandle fence = nullptr;
-  if (spare_fences_.empty()) {
-    fence = driver_.event_create(device_);
-  } else {
-    fence = spare_fences_.back();
-    spare_fences_.pop_back();
-  }
-  try {
-    // Note [Asynchronous pause]: behind the kernels queued on its last stream, on the device.
-    driver_.event_record(device_, fence, segment.lms.stream);
-    segment.lms.pageout_done = mover_.start_backup(segment, fence);
-  } catch (...) {
-    spare_fences_.push_back(fence);
-    throw;
-  }
-  segment.lms.pageout_fence = fence;
-  list_.remove(segment);
-  segment.lms.state = LmsState::kPagingOut;
-  segment.lms.speculative = true;
-  segment.lms.speculated_at = ladder_reclaims_;
-  paging_out_.push_back(&segment);
-  speculated_.push_back(&segment);
-  count(segment, &ScopeStats::speculative_pageouts);
-}
-
-void LmsResidency::cancel_page_out(Segment& segment) {
-  // Wanted again before its copy finished: it never left, the copy was wasted.
-  mover_.abandon_backup(segment, segment.lms.pageout_done);
-  spare_fences_.push_back(segment.lms.pageout_fence);
-  segment.lms.pageout_fence = segment.lms.pageout_done = nullptr;
-  erase_value(paging_out_, &segment);
-  segment.lms.state = LmsState::kInactive;
-  if (segment.lms.speculative) settle_speculation(segment, false);
-}
-
-void LmsResidency::finish_page_out(Segment& segment) {
-  const Footprint before = footprint(segment);
-  EventHandle done = segment.lms.pageout_done;
-  std::exception_ptr error;
-  try {
-    mover_.finish_backup(segment, backing_, done);
-  } catch (...) {
-    error = std::current_exception();
-  }
-  mover_.recycle(done);
-  spare_fences_.push_back(segment.lms.pageout_fence);
-  segment.lms.pageout_fence = segment.lms.pageout_done = nullptr;
-  erase_value(paging_out_, &segment);
-  const Footprint after = footprint(segment);
-  stats_.apply(Mode::kLms, segment.tag, before, after);
-  const auto moved = static_cast<std::size_t>(before.active - after.active);
-  if (segment.resident_bytes() < segment.size) {
-    segment.lms.state = LmsState::kReclaimed;
-  } else {
-    segment.lms.state = LmsState::kInactive;  // nothing went: it can be reclaimed as usual
-    if (segment.lms.reclaimable && segment.lms.pins == 0) list_.push_back(segment);
-  }
-  stats_.for_scopes(Mode::kLms, segment.tag, [&](ScopeStats& scope) {
-    if (moved > 0) ++scope.num_pageouts;
-    scope.pageout_bytes += static_cast<std::int64_t>(moved);
-  });
-  if (error) {
-    log_once("lms_finish_pageout",
-             "finishing a speculative page-out failed; the block is kept "
-             "(partly) on the device and its backup holds the rest");
-  }
-}
-
-void LmsResidency::complete_page_outs(bool wait) {
-  std::vector<Segment*> ready;
-  for (Segment* segment : paging_out_) {
-    if (wait || driver_.event_query(device_, segment->lms.pageout_done)) ready.push_back(segment);
-  }
-  for (Segment* segment : ready) finish_page_out(*segment);
-}
-
-std::size_t LmsResidency::paging_out_bytes() const {
-  std::size_t bytes = 0;
-  for (const Segment* segment : paging_out_) bytes += segment->size;
-  return bytes;
-}
-
-std::vector<DevicePtr> LmsResidency::prefetch_candidates() const {
-  if (prefetch_depth_ == 0) return {};
-  return history_.paged_in_after(history_.pins(), prefetch_depth_);
+std::pair<std::size_t, std::size_t> LmsResidency::prefetch_window() const {
+  if (prefetch_depth_ == 0) return {0, 0};
+  return history_.prefetch_window(history_.pins(), prefetch_depth_);
 }
 
 void LmsResidency::prefetch(Segment& segment, StreamHandle stream) {
   page_in(segment, stream);
   const Footprint before = footprint(segment);
   segment.lms.state = LmsState::kInactive;
-  if (segment.lms.reclaimable) list_.push_back(segment);  // the most recent: taken last
+  if (segment.lms.reclaimable) {
+    // Paging it out again must wait for the copy in: the stream that waits for it is its use.
+    try {
+      record_last_use(segment);
+    } catch (const std::exception& error) {
+      log_once("lms_last_use", std::string("lms: recording a block's last use failed; its "
+                                           "page-out will wait for its whole stream: ") +
+                                   error.what());
+    }
+    list_.push_back(segment);  // the most recent: taken last
+  }
   segment.lms.prefetched = true;
   prefetched_.push_back(&segment);
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));

@@ -19,14 +19,29 @@
 //  into shared segments that are never reclaimed.
 //
 // Note [LMS ordering]
-//  Page-out first waits on the host for an event recorded on the stream that last used the
-//  segment (its allocation stream, or the stream of its last pin), so no queued kernel still reads
-//  it; other streams are not waited for. The copy to the host then runs on the copy engine's
-//  stream and the memory is unmapped once the copy is done (PauseController, without its
-//  device-wide synchronize). Page-in maps fresh memory, queues the copy back and makes the using
-//  stream (the pinning or allocating one) wait for it on the device, not the host (Note
-//  [Asynchronous resume] in pause_controller.h). Another stream that uses the block must be
-//  ordered after that one, as PyTorch requires for any tensor shared between streams.
+//  A block goes inactive at its last unpin, which records an event (last_use) on the stream of
+//  its pin. A page-out makes the copy stream wait for that event on the device, queues the copy
+//  to the host, and records an event after it; the memory is unmapped once that event has
+//  completed. So a page-out waits for the kernels that used the block, not for the ones queued
+//  since, and the host never drains the compute stream. Page-outs complete in the order they
+//  were started (one copy stream), so they are finished oldest first. Page-in maps fresh memory,
+//  queues the copy back on a stream of its own and makes the using stream (the pinning or
+//  allocating one) wait for it on the device, not the host (Note [Asynchronous resume] in
+//  pause_controller.h). Another stream that uses the block must be ordered after that one, as
+//  PyTorch requires for any tensor shared between streams.
+//
+// Note [Paging out ahead]
+//  Waiting for a page-out at the moment an allocation needs the memory stalls the host, and with
+//  it the GPU, for a whole copy. LMS therefore keeps `headroom` bytes free under the limit: when
+//  the memory held (less what is paging out and the cache's free one-block segments, which the
+//  ladder gives back first) rises above limit - headroom, the least recently used inactive blocks
+//  start paging out at once, asynchronously. An allocation that then needs room usually finds it
+//  freed, or waits only for copies that are already under way. Prefetch fills no further than
+//  limit - headroom, so the two never chase each other. The price is up to `headroom` bytes
+//  more traffic per iteration. VMM blocks only. Off by default: on an H200 it gained nothing
+//  measurable on GPT-2 medium at 2x (0.666 against 0.672 s/step), and one GPU training test
+//  (tests/gpu/lms_scenarios.py, plain settings) fails with it on, with cudaErrorInvalidValue at
+//  loss.item(); the cause is not found yet.
 //
 // Note [LMS on managed memory]
 //  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder
@@ -43,24 +58,28 @@
 //  once, asynchronously (Note [Asynchronous pause]); pinning it while the copy is in flight just
 //  keeps it (a miss). It is a hit when the ladder had to reclaim memory before the block was
 //  wanted again, or the block stayed out to the end of the iteration. Prefetch (depth n): at every
-//  pin, the blocks the previous iteration paged in at the next n pins are paged in now, on the
-//  pinning stream, if they fit under the limit without reclaiming anything; a hit when pinned
-//  while still in. VMM blocks only: managed blocks are left to the driver.
+//  pin, the next n blocks the previous iteration paged in after this pin are paged in now, on the
+//  pinning stream, if they fit under limit - headroom without reclaiming anything; a hit when
+//  pinned while still in. VMM blocks only: managed blocks are left to the driver.
 //
 // Note [The allocation ladder]
 //  When an `lms` allocation would take the device memory we hold past the limit, the Allocator
 //  climbs: (1) a cached block (counted as alloc_distribution.freelist), else a fresh segment under
-//  the limit (cudamalloc); (2) release the global-mode cache's free segments and retry
-//  (cudamalloc_retry); (3) reclaim: one inactive segment, the smallest that covers the excess,
-//  least recently used among equals (reclaim_one), else inactive segments LRU first until the
-//  excess is covered (reclaim_fragments), else every inactive one (reclaim_all); (4) out of
-//  memory, with the numbers in the message.
+//  the limit (cudamalloc); (2) give back the cache's free one-block segments whose kernels are
+//  done, then wait for page-outs already under way, then give back free one-block segments whose
+//  kernels are still queued, waiting for them (cudamalloc_retry); (3) reclaim: one inactive
+//  segment, the smallest that covers what is still missing, least recently used among equals
+//  (reclaim_one), else inactive segments LRU first until it is covered (reclaim_fragments), else
+//  every inactive one (reclaim_all), and wait for them; then the cache's shared free segments; (4)
+//  out of memory, with the numbers in the message.
 //
 // Not thread-safe: the Allocator calls it under its mutex.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +109,9 @@ enum class ReclaimRung { kNone, kOne, kFragments, kAll };
 class LmsResidency {
  public:
   static constexpr std::size_t kDefaultSize = 1 * kMiB;
+  // set_headroom(nullopt): limit / kAutoHeadroomDivisor (Note [Paging out ahead]).
+  static constexpr std::size_t kAutoHeadroomDivisor = 32;
+  static constexpr std::size_t kDefaultPrefetchDepth = 32;
 
   LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
                ManagedResidency& managed, StatsBook& stats);
@@ -101,8 +123,13 @@ class LmsResidency {
   void set_limit(std::size_t bytes) { limit_ = bytes; }
   std::size_t limit_setting() const { return limit_; }
   std::size_t limit(std::size_t held_bytes);
+  // The limit in force without measuring anything: 0 while the default is not measured yet.
+  std::size_t resolved_limit() const { return limit_ != 0 ? limit_ : default_limit_; }
   void set_size(std::size_t bytes) { size_ = bytes; }
   std::size_t size() const { return size_; }
+  // Note [Paging out ahead]; nullopt: limit / kAutoHeadroomDivisor. Off (0) by default.
+  void set_headroom(std::optional<std::size_t> bytes) { headroom_ = bytes; }
+  std::size_t headroom(std::size_t limit) const;
 
   // A new segment; `single_block` when it holds exactly one block (Note [LMS blocks]).
   void admit(Segment& segment, bool single_block, StreamHandle stream);
@@ -112,32 +139,25 @@ class LmsResidency {
   void unpin(Segment& segment);
   // A cached block of `segment` is handed out again (it is back in before it is used).
   void reuse(Segment& segment, StreamHandle stream);
-  // The last block of a reclaimed segment was freed: its paged-out bytes are dead.
-  void discard_backup(Segment& segment);
+  // The block of a one-block segment was freed: nothing in it is alive, so it is never paged
+  // out (the cache gives it back instead) and paged-out bytes are never copied back.
+  void release(Segment& segment);
 
-  // Note [LMS on managed memory]
-  //  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder
-  //  apply, but a page-out is a prefetch to the host and a page-in a prefetch back, both ordered on
-  //  the stream that last used (or now uses) the block, with no fence and no unmapping: the driver
-  //  keeps managed memory coherent, so a kernel that touches a paged-out block faults it back
-  //  instead of failing. "Held" device memory is then the managed bytes our prefetches placed there
-  //  (Note [Tracked residency] in managed_residency.h).
-  //
-  // Note [Speculation and prefetch]
-  //  Both act on the previous iteration (LmsHistory; an iteration ends at lms_step()) and are off
-  //  until the first lms_step(). Speculative page-out (set_speculation): a block unpinned at a
-  //  point where the previous iteration's ladder later reclaimed the block unpinned there is paged
-  //  out at once, asynchronously (Note [Asynchronous pause]); pinning it while the copy is in
-  //  flight just keeps it (a miss). It is a hit when the ladder had to reclaim memory before the
-  //  block was wanted again, or the block stayed out to the end of the iteration. Prefetch (depth
-  //  n): at every pin, the blocks the previous iteration paged in at the next n pins are paged in
-  //  now, on the pinning stream, if they fit under the limit without reclaiming anything; a hit
-  //  when pinned while still in. VMM blocks only: managed blocks are left to the driver.
-  //
-  // Note [The allocation ladder], step 3: pages out inactive segments for `excess` bytes.
+  // Note [The allocation ladder], step 3: starts page-outs of inactive segments for what
+  // `excess` bytes need beyond the page-outs already under way, and waits until `excess` bytes
+  // are freed (or nothing is left to wait for). Rethrows the first failure of a page-out.
   ReclaimRung reclaim(std::size_t excess);
   // reclaim_inactive(): every inactive segment; returns the bytes paged out.
   std::size_t reclaim_all();
+  // Note [Paging out ahead]: starts page-outs of the least recently used inactive VMM segments
+  // for `bytes`; returns the bytes started.
+  std::size_t page_out_ahead(std::size_t bytes);
+  // Finishes page-outs oldest first: those whose copies are done, and, waiting for them, more
+  // until `wait_for_bytes` are freed. Returns the bytes freed; when it waited, rethrows the first
+  // failure (the others are logged).
+  std::size_t complete_page_outs(std::size_t wait_for_bytes);
+  // Device memory of page-outs in flight (still mapped until their copies finish).
+  std::size_t paging_out_bytes() const { return paging_out_bytes_; }
 
   // Note [Speculation and prefetch].
   void set_speculation(bool on) { speculation_ = on; }
@@ -145,29 +165,36 @@ class LmsResidency {
   void set_prefetch_depth(std::size_t depth) { prefetch_depth_ = depth; }
   std::size_t prefetch_depth() const { return prefetch_depth_; }
   void end_iteration();
-  // Addresses worth paging in now, after the pin just counted.
-  std::vector<DevicePtr> prefetch_candidates() const;
+  // Indices into the previous iteration's page-ins worth paging in now, after the pin just
+  // counted; prefetch_candidate(i) is the address, prefetch_handled(i) retires it.
+  std::pair<std::size_t, std::size_t> prefetch_window() const;
+  DevicePtr prefetch_candidate(std::size_t index) const { return history_.paged_in_then(index); }
+  void prefetch_handled(std::size_t index) { history_.handled_through(index + 1); }
   // Pages `segment` in ahead of use (it must be reclaimed); it stays inactive.
   void prefetch(Segment& segment, StreamHandle stream);
-  // Bytes of speculative page-outs still in flight (held until their copies finish).
-  std::size_t paging_out_bytes() const;
   // Page-outs the ladder had to do (allocations and page-ins that ran into the limit).
   std::uint64_t ladder_pageouts() const { return ladder_reclaims_; }
-  // Finishes the speculative page-outs whose copies are done (all of them when `wait`).
-  void complete_page_outs(bool wait);
   std::size_t inactive_bytes() const { return list_.bytes(); }
   AllocDistribution& distribution() { return distribution_; }
 
  private:
-  std::size_t page_out(Segment& segment);
+  enum class Cause { kLadder, kAhead, kSpeculation };
+
   std::size_t page_out_managed(Segment& segment);
-  void start_speculative_page_out(Segment& segment);
+  // Starts the copy of an inactive VMM segment behind its last use (Note [LMS ordering]).
+  void start_page_out(Segment& segment, Cause cause);
+  // Starts one victim of the ladder's (VMM or managed); returns its bytes.
+  std::size_t reclaim_one(Segment& segment);
   void cancel_page_out(Segment& segment);
-  void finish_page_out(Segment& segment);
+  // Waits for the copy, unmaps; returns the device bytes freed. A failure goes to `error`.
+  std::size_t finish_page_out(Segment& segment, std::exception_ptr& error);
   void settle_speculation(Segment& segment, bool needed);
   void count(const Segment& segment, std::int64_t ScopeStats::* counter);
+  void count_pageout(const Segment& segment, std::size_t moved, double seconds);
+  void count_pagein(const Segment& segment, std::size_t moved, double seconds);
   void page_in(Segment& segment, StreamHandle stream);
-  EventHandle fence_event();
+  void record_last_use(Segment& segment);
+  EventHandle take_event();
   void retire_page_ins();
 
   Driver& driver_;
@@ -181,15 +208,16 @@ class LmsResidency {
   std::size_t limit_ = 0;
   std::size_t default_limit_ = 0;  // measured once, when limit_ is 0
   std::size_t size_ = kDefaultSize;
-  EventHandle fence_ = nullptr;
+  std::optional<std::size_t> headroom_ = 0;
   LmsHistory history_;
   bool speculation_ = true;
-  std::size_t prefetch_depth_ = 2;
+  std::size_t prefetch_depth_ = kDefaultPrefetchDepth;
   std::uint64_t ladder_reclaims_ = 0;
-  std::vector<Segment*> paging_out_;
+  std::vector<Segment*> paging_out_;  // in the order their copies were queued
+  std::size_t paging_out_bytes_ = 0;
   std::vector<Segment*> speculated_;  // speculative, not settled yet
   std::vector<Segment*> prefetched_;  // prefetched, not pinned yet
-  std::vector<EventHandle> spare_fences_;
+  std::vector<EventHandle> spare_events_;
 };
 
 }  // namespace tus

@@ -1,5 +1,6 @@
 #include "allocator/residency/pause_controller.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace tus {
@@ -85,7 +86,8 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
   }
 }
 
-void PauseController::restore_chunks(const std::vector<Segment*>& segments, Backing& backing) {
+void PauseController::restore_chunks(const std::vector<Segment*>& segments, Backing& backing,
+                                     CopyEngine& engine) {
   // Every chunk that does not hold its contents: unmapped ones get fresh memory, stale ones keep
   // theirs and only need the copy.
   std::vector<std::pair<Segment*, Chunk*>> targets;
@@ -100,12 +102,12 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
     for (auto& [segment, chunk] : targets) {
       backing.restore_chunk(*segment, *chunk);
       if (segment->backup && chunk->backed_up) {
-        copies_.to_device(segment->ptr + chunk->offset, segment->backup.bytes() + chunk->offset,
-                          chunk->size);
+        engine.to_device(segment->ptr + chunk->offset, segment->backup.bytes() + chunk->offset,
+                         chunk->size);
       }
     }
   } catch (...) {
-    drain_quietly(copies_);
+    drain_quietly(engine);
     for (std::size_t i = 0; i < targets.size(); ++i) {
       auto& [segment, chunk] = targets[i];
       if (chunk->mapped && !was_mapped[i]) {
@@ -126,7 +128,7 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
 
 void PauseController::resume(const std::vector<Segment*>& segments, Backing& backing,
                              const BackupPolicy& policy) {
-  restore_chunks(segments, backing);
+  restore_chunks(segments, backing, copies_);
   try {
     copies_.synchronize();  // Note [Resume visibility]
   } catch (...) {
@@ -155,18 +157,18 @@ EventHandle PauseController::take_event() {
 void PauseController::resume_async(Segment& segment, Backing& backing, StreamHandle consumer) {
   EventHandle done = take_event();  // before anything changes: failing here changes nothing
   try {
-    restore_chunks({&segment}, backing);
-    copies_.record(done);
+    restore_chunks({&segment}, backing, inbound_);
+    inbound_.record(done);
     driver_.stream_wait_event(device_, consumer, done);
   } catch (...) {
     // Mapped, copies maybe queued: a synchronous wait settles them (restore_chunks already undid
     // its own failure); the bytes are in place or the backup is kept for the next try.
-    drain_quietly(copies_);
+    drain_quietly(inbound_);
     spare_events_.push_back(done);
     throw;
   }
   if (segment.backup) {
-    in_flight_.push_back(InFlight{std::move(segment.backup), done});
+    in_flight_.push_back(InFlight{std::move(segment.backup), done, &inbound_});
     segment.backup = HostBuffer{};
     for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
   } else {
@@ -176,10 +178,15 @@ void PauseController::resume_async(Segment& segment, Backing& backing, StreamHan
 
 void PauseController::retire_async(bool wait) {
   std::vector<InFlight> still;
+  // Copies on one stream complete in order: after the first one still running on an engine, the
+  // later ones on it are not queried (this runs at every pin).
+  std::vector<const CopyEngine*> busy;
   for (InFlight& flight : in_flight_) {
     bool done = true;
     try {
-      if (wait) {
+      if (!wait && std::find(busy.begin(), busy.end(), flight.engine) != busy.end()) {
+        done = false;
+      } else if (wait) {
         driver_.event_synchronize(device_, flight.done);
       } else {
         done = driver_.event_query(device_, flight.done);
@@ -188,6 +195,9 @@ void PauseController::retire_async(bool wait) {
       done = false;  // keep the buffer: a copy may still read it
     }
     if (!done) {
+      if (std::find(busy.begin(), busy.end(), flight.engine) == busy.end()) {
+        busy.push_back(flight.engine);
+      }
       still.push_back(std::move(flight));
       continue;
     }
@@ -230,7 +240,7 @@ void PauseController::finish_backup(Segment& segment, Backing& backing, EventHan
 
 void PauseController::abandon_backup(Segment& segment, EventHandle done) {
   if (segment.backup) {
-    in_flight_.push_back(InFlight{std::move(segment.backup), done});
+    in_flight_.push_back(InFlight{std::move(segment.backup), done, &copies_});
     segment.backup = HostBuffer{};
   } else {
     spare_events_.push_back(done);

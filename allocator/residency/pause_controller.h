@@ -21,7 +21,9 @@
 //  would stall the host until the link is done, so resume_async() instead makes the consumer
 //  stream wait for an event after the copies (cuStreamWaitEvent): the operator's kernels queue
 //  behind the page-in, and the host goes on. The backup's host buffer must outlive the copy
-//  reading it, so it is kept, out of the segment's reach, until that event completes.
+//  reading it, so it is kept, out of the segment's reach, until that event completes. These
+//  copies run on a stream of their own (`inbound`), so pages coming in share the link with pages
+//  going out instead of queuing behind them: the link carries both directions at once.
 //
 // Note [Asynchronous pause]
 //  LMS's speculative page-out starts at unpin, when the kernels that used the block are still
@@ -57,8 +59,9 @@ struct BackupPolicy {
 
 class PauseController {
  public:
-  PauseController(Driver& driver, int device, CopyEngine& copies, HostBufferPool& buffers)
-      : driver_(driver), device_(device), copies_(copies), buffers_(buffers) {}
+  PauseController(Driver& driver, int device, CopyEngine& copies, CopyEngine& inbound,
+                  HostBufferPool& buffers)
+      : driver_(driver), device_(device), copies_(copies), inbound_(inbound), buffers_(buffers) {}
   ~PauseController();
   PauseController(const PauseController&) = delete;
   PauseController& operator=(const PauseController&) = delete;
@@ -85,6 +88,8 @@ class PauseController {
   // The pause is called off (the segment is wanted again): the segment stays as it was, its new
   // backup is released once `done` has completed.
   void abandon_backup(Segment& segment, EventHandle done);
+  // Gives a paused segment's backup back to the pool: its bytes are dead (the block was freed).
+  void discard_backup(Segment& segment) { drop_backup(segment); }
   // Returns an event of start_backup's that is no longer needed.
   void recycle(EventHandle event) { spare_events_.push_back(event); }
   std::size_t async_in_flight() const { return in_flight_.size(); }
@@ -93,17 +98,19 @@ class PauseController {
   struct InFlight {
     HostBuffer backup;  // moved out of its segment: a free of the segment cannot touch it
     EventHandle done;
+    const CopyEngine* engine;  // copies complete in order on each engine's stream
   };
 
   void drop_backup(Segment& segment);
-  // Maps every chunk that does not hold its contents and queues its copy; undoes it all (Note
-  // [Failure atomicity]) and rethrows on failure.
-  void restore_chunks(const std::vector<Segment*>& segments, Backing& backing);
+  // Maps every chunk that does not hold its contents and queues its copy on `engine`; undoes it
+  // all (Note [Failure atomicity]) and rethrows on failure.
+  void restore_chunks(const std::vector<Segment*>& segments, Backing& backing, CopyEngine& engine);
   EventHandle take_event();
 
   Driver& driver_;
   const int device_;
-  CopyEngine& copies_;
+  CopyEngine& copies_;   // backups, resumes, page-outs
+  CopyEngine& inbound_;  // page-ins (Note [Asynchronous resume])
   HostBufferPool& buffers_;
   std::vector<InFlight> in_flight_;
   std::vector<EventHandle> spare_events_;

@@ -43,6 +43,7 @@
   X(num_pageins, "lms segments paged back in")                                            \
   X(pageout_bytes, "bytes copied to the host by lms page-outs")                           \
   X(pagein_bytes, "bytes copied back by lms page-ins")                                    \
+  X(pageouts_ahead, "lms page-outs started early to keep the headroom under the limit")   \
   X(speculative_pageouts, "lms page-outs started at unpin from the last iteration")       \
   X(speculative_hits, "speculative page-outs the limit needed (or kept out all along)")   \
   X(speculative_misses, "speculative page-outs undone or paged back in with no need")     \
@@ -51,10 +52,10 @@
   X(prefetch_misses, "prefetched blocks paged out again or never pinned")
 
 // Timers: seconds spent, summed over calls.
-#define TUS_TIMER_STATS(X)                                                               \
-  X(pause_seconds, "wall time spent in pause, device synchronize included")              \
-  X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")   \
-  X(prefetch_to_device_seconds, "device time of prefetches to the device (CUDA events)") \
-  X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")     \
-  X(pageout_seconds, "wall time of lms page-outs, fence on the last stream included")    \
+#define TUS_TIMER_STATS(X)                                                                  \
+  X(pause_seconds, "wall time spent in pause, device synchronize included")                 \
+  X(resume_seconds, "wall time spent in resume, until the restored bytes are visible")      \
+  X(prefetch_to_device_seconds, "device time of prefetches to the device (CUDA events)")    \
+  X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")        \
+  X(pageout_seconds, "host time of lms page-outs: queueing, waiting for copies, unmapping") \
   X(pagein_seconds, "host time of lms page-ins (mapping and queueing the copy back)")

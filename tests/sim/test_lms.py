@@ -22,7 +22,10 @@ STREAM = 0x1000
 
 @pytest.fixture
 def lms(allocator):
+    """A 16 MiB limit and no headroom: the ladder alone decides (paging out ahead has tests of
+    its own)."""
     allocator.set_lms_limit(16 * MiB)
+    allocator.set_lms_headroom(0)
     return allocator
 
 
@@ -270,6 +273,7 @@ def test_page_in_makes_the_using_stream_wait_not_the_host(driver, lms, fill, pee
 def managed_lms(allocator):
     allocator.set_lms_on_managed(True)
     allocator.set_lms_limit(16 * MiB)
+    allocator.set_lms_headroom(0)
     return allocator
 
 
@@ -369,7 +373,7 @@ def test_prefetch_pages_in_ahead_of_use(driver, lms, fill, peek) -> None:
 
     iteration()  # every pin paged its block in: the order is recorded
     assert lms.stats()["prefetches.lms"] == 0
-    iteration()  # pin 1 pages in weights[0] and prefetches weights[1:3]; pin 2 prefetches [3]
+    iteration()  # pin 1 pages in weights[0] and prefetches the three paged in after it
     stats = lms.stats()
     assert stats["prefetches.lms"] == 3
     assert stats["prefetch_hits.lms"] == 3 and stats["prefetch_misses.lms"] == 0
@@ -379,3 +383,155 @@ def test_prefetch_pages_in_ahead_of_use(driver, lms, fill, peek) -> None:
     lms.set_lms_prefetch_depth(0)
     iteration()
     assert lms.stats()["prefetches.lms"] == 3  # switched off
+
+
+# ----------------------------------------------------------------------------- paging out ahead
+
+
+@pytest.fixture
+def ahead(allocator):
+    """A 16 MiB limit with 4 MiB of headroom: blocks start paging out once 12 MiB are held."""
+    allocator.set_lms_limit(16 * MiB)
+    allocator.set_lms_headroom(4 * MiB)
+    allocator.set_lms_prefetch_depth(0)
+    return allocator
+
+
+def test_paging_out_ahead_keeps_the_headroom_free(driver, ahead, fill, peek, consistent) -> None:
+    ptrs = [block(ahead) for _ in range(3)]  # 12 MiB: at limit - headroom, nothing moves yet
+    assert consistent(ahead)["pageouts_ahead.lms"] == 0
+    data = fill(ptrs[0], 4 * MiB)
+    driver.hold_events(True)  # copies stay in flight
+    fourth = block(ahead)  # 16 MiB held: the least recently used block starts going out
+    stats = consistent(ahead)
+    assert stats["pageouts_ahead.lms"] == 1 and stats["lms_paging_out_bytes"] == 4 * MiB
+    assert resident(ahead, ptrs[0])  # still mapped while its copy runs
+    driver.hold_events(False)
+    ahead.pin(fourth, STREAM)  # any later LMS call finishes the copies that are done
+    ahead.unpin(fourth)
+    stats = consistent(ahead)
+    assert not resident(ahead, ptrs[0]) and stats["lms_paging_out_bytes"] == 0
+    assert stats["reserved_bytes.all.current"] == 12 * MiB
+    # The next allocation finds its room free: the ladder has nothing to do.
+    block(ahead)
+    stats = consistent(ahead)
+    assert stats["lms_ladder_pageouts"] == 0
+    assert stats["alloc_distribution.reclaim_one"] == 0
+    assert stats["reserved_bytes.all.peak"] <= 16 * MiB
+    assert ahead.pin(ptrs[0], STREAM) and peek(ptrs[0], 4 * MiB) == data
+
+
+def test_an_allocation_waits_for_page_outs_under_way_instead_of_starting_more(
+    driver, ahead, consistent
+) -> None:
+    ptrs = [block(ahead) for _ in range(3)]
+    driver.hold_events(True)
+    block(ahead)  # ptrs[0] is paging out ahead, its copy still running
+    # 4 MiB over the limit: the copy under way covers it, so the ladder waits for that one
+    # (a simulated wait returns at once, as the copy would finish).
+    ahead.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    driver.hold_events(False)
+    stats = consistent(ahead)
+    assert stats["lms_ladder_pageouts"] == 0 and stats["pageouts_ahead.lms"] >= 1
+    assert stats["alloc_distribution.cudamalloc_retry"] == 1
+    assert not resident(ahead, ptrs[0]) and stats["reserved_bytes.all.peak"] <= 16 * MiB
+
+
+def test_headroom_setting(allocator) -> None:
+    allocator.set_lms_limit(64 * MiB)
+    assert allocator.lms_headroom() == 0  # off by default
+    allocator.set_lms_headroom(8 * MiB)
+    assert allocator.lms_headroom() == 8 * MiB
+    allocator.set_lms_headroom(None)
+    assert allocator.lms_headroom() == 2 * MiB  # limit / 32
+    allocator.set_lms_headroom(0)
+    assert allocator.lms_headroom() == 0
+
+
+def test_the_ladder_gives_freed_blocks_back_without_synchronizing_the_device(
+    driver, lms, consistent
+) -> None:
+    ptrs = [block(lms) for _ in range(4)]  # at the limit
+    assert lms.block_free(ptrs[1])  # cached, and dead: never worth a copy
+    driver.reset_call_counts()
+    block(lms, 2 * MiB)  # over the limit: the freed block's memory goes back, nothing goes out
+    counts = driver.call_counts()
+    assert counts.get("device_synchronize", 0) == 0
+    assert counts.get("copy_device_to_host", 0) == 0
+    stats = consistent(lms)
+    assert stats["pageout_bytes.lms"] == 0 and stats["alloc_distribution.cudamalloc_retry"] == 1
+    assert all(resident(lms, p) for p in (ptrs[0], ptrs[2], ptrs[3]))
+
+
+def test_a_page_out_waits_for_the_blocks_last_use_on_the_device(driver, lms) -> None:
+    ptr = block(lms)
+    driver.reset_call_counts()
+    assert lms.reclaim_inactive() == 4 * MiB
+    counts = driver.call_counts()
+    # The copy stream waits for the event of its last unpin; no stream or device is drained.
+    assert counts.get("stream_wait_event", 0) == 1
+    assert counts.get("stream_synchronize", 0) == 0 and counts.get("device_synchronize", 0) == 0
+    assert not resident(lms, ptr)
+
+
+# ----------------------------------------------------------------------------- pin_all / unpin_all
+
+
+def test_pin_all_is_all_or_nothing(driver, lms, fill, peek) -> None:
+    kept, out = block(lms), block(lms)
+    data = fill(out, 4 * MiB)
+    lms.pin(kept, STREAM)
+    lms.unpin(kept)
+    assert lms.reclaim_inactive() == 8 * MiB
+    assert lms.pin(kept, STREAM) and lms.unpin(kept)  # kept is back in
+    driver.fail_on("map", 1)  # paging `out` in fails
+    with pytest.raises(CudaError, match="injected"):
+        lms.pin_all([kept, out], STREAM)
+    assert lms.stats()["pinned.lms.current"] == 0  # kept was unpinned again
+    assert lms.pin_all([kept, out, 0x10], STREAM) == 2  # not lms memory: skipped
+    assert peek(out, 4 * MiB) == data
+    assert lms.unpin_all([kept, out, 0x10]) == 2
+    assert lms.stats()["pinned.lms.current"] == 0
+
+
+def test_unpin_all_skips_a_block_freed_while_pinned(lms) -> None:
+    ptr = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    assert lms.pin_all([ptr], STREAM) == 1
+    assert lms.block_free(ptr)  # an operator resized its out= argument
+    assert lms.unpin_all([ptr]) == 0
+    stats = lms.stats()
+    assert stats["pinned.lms.current"] == 0 and stats["lms_inactive_bytes"] == 0
+    with pytest.raises(InvalidStateError, match="not pinned"):
+        lms.unpin(ptr)  # one at a time, unpinning what is not pinned stays an error
+
+
+def test_freeing_a_block_while_it_pages_out_lets_the_copy_finish(driver, ahead, consistent) -> None:
+    ptrs = [block(ahead) for _ in range(3)]
+    driver.hold_events(True)
+    block(ahead)  # ptrs[0] starts paging out ahead
+    assert ahead.block_free(ptrs[0])
+    # The copy still reads the block: it goes on, and the memory stays until it is done.
+    assert ahead.stats()["lms_paging_out_bytes"] == 4 * MiB
+    driver.reset_call_counts()
+    ahead.block_malloc(2 * MiB, mode="lms", stream=STREAM)  # the ladder wants that memory back
+    counts = driver.call_counts()
+    assert counts.get("event_synchronize", 0) >= 1  # it waited for the copy first
+    driver.hold_events(False)
+    (freed,) = [s for s in ahead.segments() if s["ptr"] == ptrs[0]]  # still cached...
+    assert freed["resident"] == 0 and not freed["has_backup"]  # ...its memory and bytes gone
+    assert consistent(ahead)["reserved_bytes.all.peak"] <= 16 * MiB
+
+
+def test_a_block_freed_while_paging_out_drops_its_bytes(driver, ahead, consistent) -> None:
+    ptrs = [block(ahead) for _ in range(3)]
+    driver.hold_events(True)
+    fourth = block(ahead)
+    assert ahead.block_free(ptrs[0])
+    driver.hold_events(False)
+    assert ahead.pin(fourth, STREAM) and ahead.unpin(fourth)  # the copy is done: finished
+    stats = consistent(ahead)
+    assert stats["cpu_backup_bytes.lms.current"] == 0  # nothing of it is kept on the host
+    assert stats["reserved_bytes.all.current"] == 12 * MiB
+    copies = driver.call_counts().get("copy_host_to_device", 0)
+    assert ahead.block_malloc(4 * MiB, mode="lms", stream=STREAM) == ptrs[0]
+    assert driver.call_counts().get("copy_host_to_device", 0) == copies  # fresh memory, no copy
