@@ -98,6 +98,16 @@ void LmsResidency::record_last_use(Segment& segment) {
   }
 }
 
+void LmsResidency::mark_inactive_here(Segment& segment) {
+  try {
+    record_last_use(segment);
+  } catch (const std::exception& error) {
+    log_once("lms_last_use", std::string("lms: recording a block's last use failed; its "
+                                         "page-out will wait for its whole stream: ") +
+                                 error.what());
+  }
+}
+
 void LmsResidency::retire_page_ins() {
   // Host copies of earlier page-ins go back to the pool once their copies are done, and finished
   // page-outs release their memory: a query or two, nothing when no copy is in flight.
@@ -159,15 +169,7 @@ void LmsResidency::unpin(Segment& segment) {
     segment.lms.last_unpin = history_.count_unpin();
     segment.lms.unpin_iteration = history_.iteration();
     if (segment.lms.reclaimable) {
-      if (!segment.lms.managed) {
-        try {
-          record_last_use(segment);
-        } catch (const std::exception& error) {
-          log_once("lms_last_use", std::string("lms: recording a block's last use failed; its "
-                                               "page-out will wait for its whole stream: ") +
-                                       error.what());
-        }
-      }
+      if (!segment.lms.managed) mark_inactive_here(segment);
       list_.push_back(segment);
     }
     speculate = speculation_ && segment.lms.reclaimable && !segment.lms.managed &&
@@ -448,13 +450,7 @@ void LmsResidency::prefetch(Segment& segment, StreamHandle stream) {
   segment.lms.state = LmsState::kInactive;
   if (segment.lms.reclaimable) {
     // Paging it out again must wait for the copy in: the stream that waits for it is its use.
-    try {
-      record_last_use(segment);
-    } catch (const std::exception& error) {
-      log_once("lms_last_use", std::string("lms: recording a block's last use failed; its "
-                                           "page-out will wait for its whole stream: ") +
-                                   error.what());
-    }
+    mark_inactive_here(segment);
     list_.push_back(segment);  // the most recent: taken last
   }
   segment.lms.prefetched = true;

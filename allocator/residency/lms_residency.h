@@ -194,6 +194,9 @@ class LmsResidency {
   void count_pagein(const Segment& segment, std::size_t moved, double seconds);
   void page_in(Segment& segment, StreamHandle stream);
   void record_last_use(Segment& segment);
+  // record_last_use for a block going inactive now; a failure is logged, not thrown (its
+  // page-out then fences on its stream's tail instead).
+  void mark_inactive_here(Segment& segment);
   EventHandle take_event();
   void retire_page_ins();
 
