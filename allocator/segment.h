@@ -67,11 +67,10 @@ struct LmsLinks {
   std::uint64_t last_unpin = 0;        // the unpin count of its last unpin...
   std::uint64_t unpin_iteration = 0;   // ...in this iteration
   EventHandle pageout_done = nullptr;  // kPagingOut: after the copy to the host
-  bool ladder = false;              // kPagingOut: started by the ladder, whose wait reports errors
-  bool speculative = false;         // paged out (or paging out) by speculation
-  std::uint64_t speculated_at = 0;  // ladder reclaims counted when the speculation began
-  bool prefetched = false;          // paged in ahead of use, not pinned since
-  bool freed = false;               // its block was freed: cached, nothing in it is alive
+  bool speculative = false;            // paged out (or paging out) by speculation
+  std::uint64_t speculated_at = 0;     // ladder reclaims counted when the speculation began
+  bool prefetched = false;             // paged in ahead of use, not pinned since
+  bool freed = false;                  // its block was freed: cached, nothing in it is alive
 };
 
 struct Segment {

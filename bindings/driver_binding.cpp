@@ -87,6 +87,10 @@ void bind_drivers(py::module_& module) {
       .def("hold_events", &SimDriver::hold_events, py::arg("held"),
            py::call_guard<py::gil_scoped_release>(),
            "While held, event_query says recorded events are still running.")
+      .def("hold_copies", &SimDriver::hold_copies, py::arg("held"),
+           py::call_guard<py::gil_scoped_release>(),
+           "While held, copies on the allocator's own streams stay in flight (Note [Held "
+           "copies] in sim_driver.h): unmapping their memory fails, as it faults on a GPU.")
       .def_property_readonly("capacity", &SimDriver::capacity_bytes);
 }
 

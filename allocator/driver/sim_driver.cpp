@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -15,6 +16,7 @@ namespace tus {
 namespace {
 
 constexpr int kInvalidValue = 1;                            // CUDA_ERROR_INVALID_VALUE
+constexpr int kLaunchFailed = 719;                          // CUDA_ERROR_LAUNCH_FAILED
 constexpr int kNoDevice = std::numeric_limits<int>::min();  // calls about no device
 
 [[noreturn]] void fail(const char* call, int code, const std::string& why) {
@@ -254,6 +256,11 @@ void SimDriver::map(int device, DevicePtr ptr, std::size_t size, PhysHandle hand
 void SimDriver::unmap(int device, DevicePtr ptr, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("unmap", device);
+  for (const CopyInFlight& copy : copies_in_flight_) {
+    if (copy.ptr < ptr + size && ptr < copy.ptr + copy.size) {
+      fail("unmap", kLaunchFailed, "a copy still in flight uses this memory (Note [Held copies])");
+    }
+  }
   auto it = mappings_.find(ptr);
   if (it == mappings_.end() || it->second.size != size) {
     fail("unmap", kInvalidValue, "range does not match one mapping");
@@ -367,7 +374,9 @@ void SimDriver::host_free_pinned(int device, void* ptr) {
 StreamHandle SimDriver::stream_create(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("stream_create", device);
-  return reinterpret_cast<StreamHandle>(next_object_++);
+  auto stream = reinterpret_cast<StreamHandle>(next_object_++);
+  own_streams_.push_back(stream);
+  return stream;
 }
 
 void SimDriver::stream_destroy(int device, StreamHandle) {
@@ -375,9 +384,10 @@ void SimDriver::stream_destroy(int device, StreamHandle) {
   enter_locked("stream_destroy", device);
 }
 
-void SimDriver::stream_synchronize(int device, StreamHandle) {
+void SimDriver::stream_synchronize(int device, StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("stream_synchronize", device);
+  complete_copies_locked(stream, copy_order_);
 }
 
 EventHandle SimDriver::event_create(int device) {
@@ -391,9 +401,14 @@ void SimDriver::event_destroy(int device, EventHandle) {
   enter_locked("event_destroy", device);
 }
 
-void SimDriver::event_record(int device, EventHandle, StreamHandle) {
+void SimDriver::event_record(int device, EventHandle event, StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("event_record", device);
+  held_events_.erase(event);
+  const bool behind_a_copy =
+      std::any_of(copies_in_flight_.begin(), copies_in_flight_.end(),
+                  [&](const CopyInFlight& copy) { return copy.stream == stream; });
+  if (behind_a_copy) held_events_[event] = HeldEvent{stream, ++copy_order_};
 }
 
 EventHandle SimDriver::event_create_timed(int device) {
@@ -408,10 +423,11 @@ float SimDriver::event_elapsed_ms(int device, EventHandle, EventHandle) {
   return 0.0f;  // synchronous streams: work has taken no time by the time it is queried
 }
 
-bool SimDriver::event_query(int device, EventHandle) {
+bool SimDriver::event_query(int device, EventHandle event) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("event_query", device);
-  return !events_held_;  // streams are synchronous: recorded events are complete unless held
+  // Streams are synchronous: recorded events are complete unless held.
+  return !events_held_ && held_events_.count(event) == 0;
 }
 
 void SimDriver::hold_events(bool held) {
@@ -419,9 +435,38 @@ void SimDriver::hold_events(bool held) {
   events_held_ = held;
 }
 
-void SimDriver::event_synchronize(int device, EventHandle) {
+void SimDriver::hold_copies(bool held) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  copies_held_ = held;
+  if (!held) {
+    copies_in_flight_.clear();
+    held_events_.clear();
+  }
+}
+
+void SimDriver::note_copy_locked(StreamHandle stream, DevicePtr ptr, std::size_t size) {
+  if (!copies_held_) return;
+  if (std::find(own_streams_.begin(), own_streams_.end(), stream) == own_streams_.end()) return;
+  copies_in_flight_.push_back(CopyInFlight{stream, ptr, size, ++copy_order_});
+}
+
+void SimDriver::complete_copies_locked(StreamHandle stream, std::uint64_t through) {
+  copies_in_flight_.erase(std::remove_if(copies_in_flight_.begin(), copies_in_flight_.end(),
+                                         [&](const CopyInFlight& copy) {
+                                           return copy.stream == stream && copy.order <= through;
+                                         }),
+                          copies_in_flight_.end());
+  for (auto it = held_events_.begin(); it != held_events_.end();) {
+    const bool done = it->second.stream == stream && it->second.order <= through;
+    it = done ? held_events_.erase(it) : std::next(it);
+  }
+}
+
+void SimDriver::event_synchronize(int device, EventHandle event) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("event_synchronize", device);
+  auto it = held_events_.find(event);
+  if (it != held_events_.end()) complete_copies_locked(it->second.stream, it->second.order);
 }
 
 void SimDriver::stream_wait_event(int device, StreamHandle, EventHandle) {
@@ -433,6 +478,8 @@ void SimDriver::device_synchronize(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("device_synchronize", device);
   events_held_ = false;
+  copies_in_flight_.clear();
+  held_events_.clear();
 }
 
 namespace {
@@ -449,7 +496,7 @@ bool inside_one(const Map& ranges, DevicePtr ptr, std::size_t size, SizeOf size_
 }  // namespace
 
 void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
-                                    StreamHandle) {
+                                    StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("copy_device_to_host", device);
   const bool valid =
@@ -458,10 +505,11 @@ void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::s
       managed_.covers(src, size);
   if (!valid) fail("copy_device_to_host", kInvalidValue, "source is not mapped device memory");
   std::memcpy(dst, reinterpret_cast<const void*>(src), size);
+  note_copy_locked(stream, src, size);
 }
 
 void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
-                                    StreamHandle) {
+                                    StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("copy_host_to_device", device);
   const bool valid =
@@ -470,6 +518,7 @@ void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, 
       managed_.covers(dst, size);
   if (!valid) fail("copy_host_to_device", kInvalidValue, "destination is not mapped device memory");
   std::memcpy(reinterpret_cast<void*>(dst), src, size);
+  note_copy_locked(stream, dst, size);
 }
 
 }  // namespace tus

@@ -14,12 +14,21 @@
 //    bookkeeping bug in the allocator fails loudly here.
 //  - Managed memory is host memory whose advice and prefetch locations are recorded per page
 //    (sim_managed_space.h); it does not count against the capacity.
-//  - Streams are synchronous: a copy has finished when its call returns.
+//  - Streams are synchronous: a copy has finished when its call returns, unless copies are held.
+//
+// Note [Held copies]
+//  hold_copies(true) models copies still running on the streams the allocator creates
+//  (stream_create): such a copy moves its bytes at once but counts as in flight, and events
+//  recorded behind it on its stream stay incomplete, until event_synchronize on one of them (which
+//  completes everything before it on that stream), device_synchronize or hold_copies(false).
+//  Unmapping memory that a copy in flight still reads or writes fails like the fault it is on a
+//  GPU, where the copy engine hits an unmapped address and the context is lost.
 //  - Fault injection: fail_on("unmap", 3) makes the 3rd unmap from now throw, as a driver error
 //    would. "*" counts calls of every function.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -53,6 +62,8 @@ class SimDriver final : public Driver {
   // While held, event_query reports recorded events as not yet complete (work "in flight" on
   // other streams); event_synchronize and device_synchronize still complete them.
   void hold_events(bool held);
+  // Note [Held copies].
+  void hold_copies(bool held);
 
   std::string name() const override { return "sim"; }
   int device_count() override;
@@ -135,6 +146,24 @@ class SimDriver final : public Driver {
   std::map<void*, std::size_t> pinned_;
   SimManagedSpace managed_;
   bool events_held_ = false;
+  // Note [Held copies]
+  struct CopyInFlight {
+    StreamHandle stream;
+    DevicePtr ptr;
+    std::size_t size;
+    std::uint64_t order;
+  };
+  struct HeldEvent {
+    StreamHandle stream;
+    std::uint64_t order;
+  };
+  void note_copy_locked(StreamHandle stream, DevicePtr ptr, std::size_t size);
+  void complete_copies_locked(StreamHandle stream, std::uint64_t through);
+  bool copies_held_ = false;
+  std::uint64_t copy_order_ = 0;
+  std::vector<StreamHandle> own_streams_;
+  std::vector<CopyInFlight> copies_in_flight_;
+  std::map<EventHandle, HeldEvent> held_events_;
   PhysHandle next_handle_ = 1;
   std::uintptr_t next_object_ = 1;
   std::map<std::string, long> calls_;

@@ -124,12 +124,22 @@ void LmsResidency::admit(Segment& segment, bool single_block, StreamHandle strea
 }
 
 void LmsResidency::forget(Segment& segment) {
+  // Runs on the free path, which cannot throw: a failed wait is logged (the context is most
+  // likely lost by then) and the segment still leaves every list.
   list_.remove(segment);
-  if (segment.lms.state == LmsState::kPagingOut) {
+  try {
     // Its memory is about to go back to the driver: the copy reading it must be done first.
-    driver_.event_synchronize(device_, segment.lms.pageout_done);
-    cancel_page_out(segment);
+    if (segment.lms.state == LmsState::kPagingOut) {
+      driver_.event_synchronize(device_, segment.lms.pageout_done);
+    }
+    // So must the copy of a page-out cancelled earlier (the block was wanted again, then freed):
+    // the event of the block's free, which the cache waited for, does not order that copy.
+    if (!segment.lms.managed) mover_.wait_for_copies_of(segment);
+  } catch (const std::exception& error) {
+    log_once("lms_forget_wait",
+             std::string("free: waiting for a page-out's copy failed: ") + error.what());
   }
+  if (segment.lms.state == LmsState::kPagingOut) cancel_page_out(segment);
   erase_value(speculated_, &segment);
   erase_value(prefetched_, &segment);
   if (segment.lms.last_use != nullptr) spare_events_.push_back(segment.lms.last_use);
@@ -246,7 +256,6 @@ void LmsResidency::start_page_out(Segment& segment, Cause cause) {
   segment.lms.pageout_done = mover_.start_backup(segment, segment.lms.last_use);
   list_.remove(segment);
   segment.lms.state = LmsState::kPagingOut;
-  segment.lms.ladder = cause == Cause::kLadder;
   paging_out_.push_back(&segment);
   paging_out_bytes_ += segment.size;
   if (cause == Cause::kSpeculation) {
@@ -269,7 +278,6 @@ void LmsResidency::cancel_page_out(Segment& segment) {
   erase_value(paging_out_, &segment);
   paging_out_bytes_ -= segment.size;
   segment.lms.state = LmsState::kInactive;
-  segment.lms.ladder = false;
   if (segment.lms.speculative) settle_speculation(segment, false);
   stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
@@ -285,7 +293,6 @@ std::size_t LmsResidency::finish_page_out(Segment& segment, std::exception_ptr& 
   }
   mover_.recycle(done);
   segment.lms.pageout_done = nullptr;
-  segment.lms.ladder = false;
   erase_value(paging_out_, &segment);
   paging_out_bytes_ -= segment.size;
   const Footprint after = footprint(segment);

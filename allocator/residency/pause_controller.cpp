@@ -168,7 +168,8 @@ void PauseController::resume_async(Segment& segment, Backing& backing, StreamHan
     throw;
   }
   if (segment.backup) {
-    in_flight_.push_back(InFlight{std::move(segment.backup), done, &inbound_});
+    in_flight_.push_back(
+        InFlight{std::move(segment.backup), done, &inbound_, segment.ptr, segment.size});
     segment.backup = HostBuffer{};
     for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
   } else {
@@ -239,13 +240,24 @@ void PauseController::finish_backup(Segment& segment, Backing& backing, EventHan
 }
 
 void PauseController::abandon_backup(Segment& segment, EventHandle done) {
-  if (segment.backup) {
-    in_flight_.push_back(InFlight{std::move(segment.backup), done, &copies_});
-    segment.backup = HostBuffer{};
-  } else {
-    spare_events_.push_back(done);
-  }
+  // The copy goes on reading the segment: tracked until it is done, with or without a buffer to
+  // give back, so that wait_for_copies_of() finds it.
+  in_flight_.push_back(
+      InFlight{std::move(segment.backup), done, &copies_, segment.ptr, segment.size});
+  segment.backup = HostBuffer{};
   for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
+}
+
+void PauseController::wait_for_copies_of(const Segment& segment) {
+  bool waited = false;
+  for (const InFlight& flight : in_flight_) {
+    const bool overlaps = flight.device_ptr < segment.ptr + segment.size &&
+                          segment.ptr < flight.device_ptr + flight.device_bytes;
+    if (!overlaps || driver_.event_query(device_, flight.done)) continue;
+    driver_.event_synchronize(device_, flight.done);
+    waited = true;
+  }
+  if (waited) retire_async(false);
 }
 
 }  // namespace tus

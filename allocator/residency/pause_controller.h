@@ -90,6 +90,10 @@ class PauseController {
   void abandon_backup(Segment& segment, EventHandle done);
   // Gives a paused segment's backup back to the pool: its bytes are dead (the block was freed).
   void discard_backup(Segment& segment) { drop_backup(segment); }
+  // Waits for the copies still in flight that read or write `segment`'s memory: a page-out that
+  // was abandoned goes on reading it, and nothing else orders that copy before the memory goes
+  // back to the driver (its block's free is recorded on the block's own stream).
+  void wait_for_copies_of(const Segment& segment);
   // Returns an event of start_backup's that is no longer needed.
   void recycle(EventHandle event) { spare_events_.push_back(event); }
   std::size_t async_in_flight() const { return in_flight_.size(); }
@@ -99,6 +103,8 @@ class PauseController {
     HostBuffer backup;  // moved out of its segment: a free of the segment cannot touch it
     EventHandle done;
     const CopyEngine* engine;  // copies complete in order on each engine's stream
+    DevicePtr device_ptr;      // the device memory the copy reads or writes
+    std::size_t device_bytes;
   };
 
   void drop_backup(Segment& segment);

@@ -522,6 +522,31 @@ def test_freeing_a_block_while_it_pages_out_lets_the_copy_finish(driver, ahead, 
     assert consistent(ahead)["reserved_bytes.all.peak"] <= 16 * MiB
 
 
+def test_a_cancelled_page_out_finishes_its_copy_before_the_memory_goes_back(
+    driver, ahead, fill, peek, consistent
+) -> None:
+    # Seen on an H200 as "unspecified launch failure": a page-out cancelled because its block was
+    # wanted again leaves its copy running; the block was then freed and its memory given back
+    # while the copy still read it.
+    ptrs = [block(ahead) for _ in range(3)]
+    driver.hold_copies(True)
+    block(ahead)  # ptrs[0] starts paging out ahead; its copy stays in flight
+    assert ahead.stats()["lms_paging_out_bytes"] == 4 * MiB
+    assert ahead.pin(ptrs[0], STREAM)  # wanted again: the page-out is cancelled, not the copy
+    assert ahead.unpin(ptrs[0])
+    assert ahead.block_free(ptrs[0])
+    # Over the limit: the ladder gives the freed block back, which must wait for that copy first
+    # (the sim fails the unmap of memory that a copy in flight uses, as a GPU faults).
+    fresh = ahead.block_malloc(8 * MiB, mode="lms", stream=STREAM)
+    driver.hold_copies(False)
+    stats = consistent(ahead)
+    assert stats["num_free_failures.lms"] == 0  # the unmap went through, after the copy
+    assert all(s["ptr"] != ptrs[0] for s in ahead.segments())  # its memory went back
+    assert stats["reserved_bytes.all.peak"] <= 16 * MiB
+    data = fill(fresh, 8 * MiB)
+    assert peek(fresh, 8 * MiB) == data
+
+
 def test_a_block_freed_while_paging_out_drops_its_bytes(driver, ahead, consistent) -> None:
     ptrs = [block(ahead) for _ in range(3)]
     driver.hold_events(True)
