@@ -12,6 +12,12 @@ Note [Touching reclaimed memory]
     see every kernel's arguments, so this is not detected. Run compute under ``lms_mode()``, which
     pins every operator's tensor inputs for the operator's duration, or pin the tensors yourself
     (``pin``/``pinned``). Outputs are new blocks and need nothing.
+
+    Reading a value on the host counts as touching: ``loss.item()`` or ``print(t)`` outside
+    ``lms_mode()`` fails with "CUDA error: invalid argument" when the block is out. A small
+    tensor is no guarantee: the scalar that ``mse_loss`` returns is a view of the operator's
+    whole unreduced buffer (32 MiB in tests/gpu/lms_scenarios.py), which goes inactive once
+    ``backward()`` has read it. Read it under ``lms_mode()`` or ``with pinned(loss):``.
 """
 
 from __future__ import annotations
@@ -129,13 +135,14 @@ def set_prefetch_lms(depth: int, device: _native.DeviceLike = None) -> None:
 
 
 def set_headroom_lms(headroom: int | None, device: _native.DeviceLike = None) -> None:
-    """Experimental, off (0) by default: bytes kept free under the limit by paging the least
-    recently used inactive blocks out ahead of need, in the background, so that an allocation
-    rarely waits for a copy. ``None`` means limit / 32.
+    """Bytes kept free under the limit by paging the least recently used inactive blocks out
+    ahead of need, in the background, so that an allocation rarely waits for a copy. Off (0) by
+    default; ``None`` means limit / 32.
 
-    Known problem: with it on, one GPU training test fails (cudaErrorInvalidValue when reading
-    the loss after a step), and on GPT-2 medium at 2x it gained nothing measurable. Leave it off
-    until that is fixed."""
+    It costs extra traffic and, on GPT-2 medium at 2x on an H200, gained nothing measurable
+    (0.666 against 0.672 s/step), hence off. Blocks go out as soon as they are unpinned, so code
+    that reads a tensor outside ``lms_mode()``/``pinned()`` (Note [Touching reclaimed memory])
+    meets a paged-out block much sooner than with the ladder alone."""
     if headroom is not None and headroom < 0:
         raise InvalidArgumentError(f"an LMS headroom must be >= 0 bytes or None, got {headroom}")
     _native.allocator(device).set_lms_headroom(None if headroom is None else int(headroom))

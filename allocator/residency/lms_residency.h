@@ -39,9 +39,10 @@
 //  freed, or waits only for copies that are already under way. Prefetch fills no further than
 //  limit - headroom, so the two never chase each other. The price is up to `headroom` bytes
 //  more traffic per iteration. VMM blocks only. Off by default: on an H200 it gained nothing
-//  measurable on GPT-2 medium at 2x (0.666 against 0.672 s/step), and one GPU training test
-//  (tests/gpu/lms_scenarios.py, plain settings) fails with it on, with cudaErrorInvalidValue at
-//  loss.item(); the cause is not found yet.
+//  measurable on GPT-2 medium at 2x (0.666 against 0.672 s/step). Blocks leave right after their
+//  last unpin, so a tensor read outside the guards (Note [Touching reclaimed memory] in lms.py)
+//  finds its block out far sooner than under the ladder alone: a GPU test that read the loss
+//  after its lms_mode() block failed this way, the loss being a view of a 32 MiB buffer.
 //
 // Note [LMS on managed memory]
 //  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder

@@ -30,6 +30,8 @@ tus.set_backing_lms(sys.argv[3])
 ahead = sys.argv[4] == "ahead"
 tus.set_speculation_lms(ahead)
 tus.set_prefetch_lms(2 if ahead else 0)
+if sys.argv[5] != "off":
+    tus.set_headroom_lms(None if sys.argv[5] == "auto" else int(sys.argv[5]))
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 width, depth, batch = 2048, 12, 4096
@@ -55,8 +57,10 @@ for step in range(6):
         loss = torch.nn.functional.mse_loss(model(data), target)
         loss.backward()
         optimizer.step()
+        # A host read touches the loss's block like a kernel does, so it runs under the mode too
+        # (Note [Touching reclaimed memory]).
+        losses.append(loss.item())
     tus.lms_step()
-    losses.append(loss.item())
     torch.cuda.synchronize()
     seconds.append(time.perf_counter() - start)
 torch.cuda.synchronize()
@@ -64,7 +68,7 @@ stats = tus.memory_stats()
 keys = ("reserved_bytes.all.peak", "num_pageouts.lms", "num_pageins.lms", "pageout_bytes.lms",
         "pagein_bytes.lms", "reclaimed_bytes.lms.current", "speculative_pageouts.lms",
         "speculative_hits.lms", "speculative_misses.lms", "prefetches.lms", "prefetch_hits.lms",
-        "prefetch_misses.lms", "lms_ladder_pageouts")
+        "prefetch_misses.lms", "pageouts_ahead.lms", "lms_ladder_pageouts")
 result = {key: stats[key] for key in keys}
 result.update({k: v for k, v in stats.items() if k.startswith("alloc_distribution.")})
 result["step_s_last4"] = sorted(seconds[2:])
@@ -72,10 +76,17 @@ print("RESULT " + json.dumps({"losses": losses, "limit": tus.get_limit_lms(), **
 """
 
 
-def train(limit: int, helper: bool = False, backing: str = "vmm", ahead: bool = False) -> dict:
+def train(
+    limit: int,
+    helper: bool = False,
+    backing: str = "vmm",
+    ahead: bool = False,
+    headroom: str = "off",
+) -> dict:
+    """`headroom`: "off", "auto" (limit / 32) or bytes (set_headroom_lms)."""
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     command = [sys.executable, "-c", TRAIN_SCRIPT, str(limit), "helper" if helper else "plain"]
-    command += [backing, "ahead" if ahead else "plain"]
+    command += [backing, "ahead" if ahead else "plain", headroom]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -106,6 +117,11 @@ def training_under_half_the_footprint_matches_unlimited() -> None:
     assert ahead["losses"] == free["losses"]
     assert ahead["speculative_pageouts.lms"] > 0
     assert ahead["reserved_bytes.all.peak"] <= peak // 2
+    early = train(peak // 2, headroom="auto")  # paging out ahead, limit / 32 kept free
+    print(f"paging out ahead: {json.dumps({k: v for k, v in early.items() if k != 'losses'})}")
+    assert early["losses"] == free["losses"]
+    assert early["pageouts_ahead.lms"] > 0
+    assert early["reserved_bytes.all.peak"] <= peak // 2
     managed = train(peak // 2, backing="managed")  # page-out is a prefetch to the host
     print(f"on managed memory: {json.dumps({k: v for k, v in managed.items() if k != 'losses'})}")
     assert managed["losses"] == free["losses"]
