@@ -38,11 +38,15 @@
 //  start paging out at once, asynchronously. An allocation that then needs room usually finds it
 //  freed, or waits only for copies that are already under way. Prefetch fills no further than
 //  limit - headroom, so the two never chase each other. The price is up to `headroom` bytes
-//  more traffic per iteration. VMM blocks only. Off by default: on an H200 it gained nothing
-//  measurable on GPT-2 medium at 2x (0.666 against 0.672 s/step). Blocks leave right after their
-//  last unpin, so a tensor read outside the guards (Note [Touching reclaimed memory] in lms.py)
-//  finds its block out far sooner than under the ladder alone: a GPU test that read the loss
-//  after its lms_mode() block failed this way, the loss being a view of a 32 MiB buffer.
+//  more traffic per iteration. VMM blocks only. On by default at limit / 32. Measured on an
+//  H200 (benchmarks/results/oversubscription_NVIDIA_H200*.json): without it, GPT-2 XL
+//  (state-heavy) at 2x ran 1.87 s/step against 1.11 with it. The ladder alone then picks, for
+//  each allocation already waiting, the smallest inactive block that covers it (1870 reclaim_one
+//  in 4 steps, against 43), which is often one needed again soon: 50.9 GiB moved a step against
+//  39.1. GPT-2 medium gained less (0.646 against 0.626 s/step at 2x). Blocks leave right after
+//  their last unpin, so a tensor read outside the guards (Note [Touching reclaimed memory] in
+//  lms.py) finds its block out far sooner than under the ladder alone: a GPU test that read the
+//  loss after its lms_mode() block failed this way, the loss being a view of a 32 MiB buffer.
 //
 // Note [LMS on managed memory]
 //  With set_backing_lms("managed") the blocks are managed memory and the same lists and ladder
@@ -128,7 +132,7 @@ class LmsResidency {
   std::size_t resolved_limit() const { return limit_ != 0 ? limit_ : default_limit_; }
   void set_size(std::size_t bytes) { size_ = bytes; }
   std::size_t size() const { return size_; }
-  // Note [Paging out ahead]; nullopt: limit / kAutoHeadroomDivisor. Off (0) by default.
+  // Note [Paging out ahead]; nullopt (the default): limit / kAutoHeadroomDivisor; 0: off.
   void set_headroom(std::optional<std::size_t> bytes) { headroom_ = bytes; }
   std::size_t headroom(std::size_t limit) const;
 
@@ -212,7 +216,7 @@ class LmsResidency {
   std::size_t limit_ = 0;
   std::size_t default_limit_ = 0;  // measured once, when limit_ is 0
   std::size_t size_ = kDefaultSize;
-  std::optional<std::size_t> headroom_ = 0;
+  std::optional<std::size_t> headroom_;  // limit / kAutoHeadroomDivisor
   LmsHistory history_;
   bool speculation_ = true;
   std::size_t prefetch_depth_ = kDefaultPrefetchDepth;

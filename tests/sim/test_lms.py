@@ -439,7 +439,7 @@ def test_an_allocation_waits_for_page_outs_under_way_instead_of_starting_more(
 
 def test_headroom_setting(allocator) -> None:
     allocator.set_lms_limit(64 * MiB)
-    assert allocator.lms_headroom() == 0  # off by default
+    assert allocator.lms_headroom() == 2 * MiB  # limit / 32 by default
     allocator.set_lms_headroom(8 * MiB)
     assert allocator.lms_headroom() == 8 * MiB
     allocator.set_lms_headroom(None)
