@@ -114,6 +114,10 @@ class Allocator final : private SegmentSource {
   // undoes it, skipping blocks freed in between.
   std::size_t pin_all(const std::vector<DevicePtr>& ptrs, StreamHandle stream);
   std::size_t unpin_all(const std::vector<DevicePtr>& ptrs);
+  // lms_check(): "" when every address of `ptrs` is safe to touch unpinned (not lms memory, on
+  // managed memory, never pinned, or pinned now); else what is wrong with the first one that is
+  // not (inactive, paging out or paged out: Note [Touching reclaimed memory] in lms.py).
+  std::string describe_unguarded(const std::vector<DevicePtr>& ptrs);
   void set_lms_limit(std::size_t bytes);
   std::size_t lms_limit();
   void set_lms_size(std::size_t bytes);

@@ -6,6 +6,7 @@
 #include "allocator/allocator.h"
 #include "allocator/errors.h"
 #include "allocator/log.h"
+#include "allocator/message.h"
 #include "allocator/stats/segment_footprint.h"
 
 namespace tus {
@@ -198,6 +199,34 @@ std::size_t Allocator::unpin_all(const std::vector<DevicePtr>& ptrs) {
   for (DevicePtr ptr : ptrs) count += unpin_locked(ptr, false) ? 1 : 0;
   if (count > 0) keep_lms_headroom_locked();
   return count;
+}
+
+std::string Allocator::describe_unguarded(const std::vector<DevicePtr>& ptrs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (DevicePtr ptr : ptrs) {
+    const Segment* segment = segment_containing_locked(ptr);
+    if (segment == nullptr || segment->mode != Mode::kLms || segment->lms.managed) continue;
+    if (!segment->lms.reclaimable || segment->lms.pins > 0) continue;
+    const char* state = nullptr;
+    switch (segment->lms.state) {
+      case LmsState::kInactive:
+        state = "inactive: any allocation may page it out while the operator's kernels run";
+        break;
+      case LmsState::kPagingOut:
+        state = "paging out: its memory goes once the copy is done";
+        break;
+      case LmsState::kReclaimed:
+        state = "paged out: its addresses hold no memory";
+        break;
+      default:
+        continue;
+    }
+    Message message;
+    message << "its block at " << hex_address(segment->ptr) << " (" << format_bytes(segment->size)
+            << ") is " << state;
+    return message.str();
+  }
+  return {};
 }
 
 void Allocator::lms_step() {

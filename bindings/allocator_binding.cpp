@@ -161,6 +161,10 @@ void bind_allocator(py::module_& module) {
       .def("unpin_all", &Allocator::unpin_all, py::arg("ptrs"),
            py::call_guard<py::gil_scoped_release>(),
            "Undo pin_all (blocks freed in between are skipped); returns how many were unpinned.")
+      .def("describe_unguarded", &Allocator::describe_unguarded, py::arg("ptrs"),
+           py::call_guard<py::gil_scoped_release>(),
+           "'' when every address of `ptrs` is safe to touch unpinned; else why the first one is "
+           "not (lms_check).")
       .def("set_lms_headroom", &Allocator::set_lms_headroom, py::arg("bytes"),
            py::call_guard<py::gil_scoped_release>(),
            "Bytes kept free under the LMS limit by paging out ahead (experimental, default 0); "

@@ -9,7 +9,8 @@ memory, keeping their addresses; pinning one pages it back in. Blocks smaller th
 Note [Touching reclaimed memory]
     A paged-out block's addresses hold no memory. A kernel that reads it without the block being
     pinned faults with an illegal-address error, which poisons the CUDA context. A library cannot
-    see every kernel's arguments, so this is not detected. Run compute under ``lms_mode()``, which
+    see every kernel's arguments, so this is not detected by default (``lms_check()`` below
+    catches what goes through PyTorch operators). Run compute under ``lms_mode()``, which
     pins every operator's tensor inputs for the operator's duration, or pin the tensors yourself
     (``pin``/``pinned``). Outputs are new blocks and need nothing.
 
@@ -18,6 +19,11 @@ Note [Touching reclaimed memory]
     tensor is no guarantee: the scalar that ``mse_loss`` returns is a view of the operator's
     whole unreduced buffer (32 MiB in tests/gpu/lms_scenarios.py), which goes inactive once
     ``backward()`` has read it. Read it under ``lms_mode()`` or ``with pinned(loss):``.
+
+    ``lms_check()`` finds such code: under it, an operator that would read a block that is not
+    pinned and is inactive, paging out or paged out is refused with an InvalidStateError naming
+    the operator, before any kernel runs. It sees operators only (not raw CUDA calls of other
+    libraries), and costs one lookup per operator, so it is meant for finding bugs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _C, _native
 from .errors import InvalidArgumentError, InvalidStateError
@@ -38,6 +44,7 @@ __all__ = [
     "get_headroom_lms",
     "get_limit_lms",
     "get_size_lms",
+    "lms_check",
     "lms_mode",
     "lms_step",
     "pin",
@@ -223,6 +230,19 @@ def _add_input(value: object, by_device: dict[int, list[int]]) -> None:
         by_device.setdefault(value.get_device(), []).append(ptr)
 
 
+def _inputs_by_device(args: tuple, kwargs: dict) -> dict[int, list[int]]:
+    """The addresses of an operator's CUDA tensor inputs, by device. aten schemas take tensors as
+    arguments or in flat lists, which is all this walks."""
+    by_device: dict[int, list[int]] = {}
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                _add_input(item, by_device)
+        else:
+            _add_input(value, by_device)
+    return by_device
+
+
 _views: dict[object, bool] = {}
 
 
@@ -247,13 +267,7 @@ class _PinOperatorInputs(TorchDispatchMode):
         kwargs = kwargs or {}
         if _is_view(func):  # metadata only: no kernel reads the memory
             return func(*args, **kwargs)
-        by_device: dict[int, list[int]] = {}
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (list, tuple)):
-                for item in value:
-                    _add_input(item, by_device)
-            else:
-                _add_input(value, by_device)
+        by_device = _inputs_by_device(args, kwargs)
         if not by_device:
             return func(*args, **kwargs)
         done: list[tuple[_C.Allocator, list[int]]] = []
@@ -277,4 +291,41 @@ def lms_mode() -> Iterator[None]:
     on the calling thread (autograd multithreading off), so their operators are pinned too.
     """
     with torch.autograd.set_multithreading_enabled(False), _PinOperatorInputs():
+        yield
+
+
+def _pinning_active() -> bool:
+    return any(isinstance(mode, _PinOperatorInputs) for mode in _get_current_dispatch_mode_stack())
+
+
+class _RefuseUnguarded(TorchDispatchMode):
+    """Refuses an operator that reads an lms block that could be paged out under it.
+
+    Modes run innermost first. Under an lms_mode() entered inside this one, the operator arrives
+    here with its inputs pinned already; under one entered outside, lms_mode() is still on the
+    stack and pins them next. Either way there is nothing to check.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if not _is_view(func) and not _pinning_active():
+            for index, ptrs in _inputs_by_device(args, kwargs).items():
+                problem = _allocator_of(index).describe_unguarded(ptrs)
+                if problem:
+                    raise InvalidStateError(
+                        f"lms_check: {func} reads a tensor that is not pinned, and {problem}. "
+                        "Run it under lms_mode() or with tus.pinned(tensor) "
+                        "(Note [Touching reclaimed memory] in torch_uvm_saver/lms.py)"
+                    )
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def lms_check() -> Iterator[None]:
+    """Refuse, with an InvalidStateError, operators that would read an ``lms`` block outside
+    ``lms_mode()``/``pin()`` while it is inactive, paging out or paged out: the code that would
+    crash (a kernel's illegal address) or fail later (``.item()``) is named instead, and nothing
+    runs. For finding unguarded code; it costs a lookup per operator (Note [Touching reclaimed
+    memory])."""
+    with _RefuseUnguarded():
         yield

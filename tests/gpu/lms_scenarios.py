@@ -153,6 +153,37 @@ def pinned_tensor_survives_reclaim_inactive() -> None:
     assert stats["num_pageins.lms"] >= 1 and stats["reclaimed_bytes.lms.current"] >= 0
 
 
+@scenario
+def unguarded_reads_are_refused_under_lms_check() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.errors import InvalidStateError
+
+    tus.set_enabled_lms(True)
+    t = torch.full((8 * MiB,), 3, dtype=torch.int32, device="cuda")
+    with tus.lms_mode():
+        t.add_(1)  # pinned for the operator, inactive from now on
+    torch.cuda.synchronize()
+
+    def refused(read, state: str) -> None:
+        with tus.lms_check():
+            try:
+                read()
+            except InvalidStateError as error:
+                assert state in str(error), str(error)
+                print(f"refused: {str(error)[:160]}")
+                return
+        raise AssertionError(f"an unpinned read of a block that is {state} was let through")
+
+    refused(lambda: t.sum(), "inactive")
+    assert tus.reclaim_inactive() >= 32 * MiB
+    refused(lambda: int(t[-1]), "paged out")  # a host read, like loss.item(): no CUDA error
+    with tus.lms_check(), tus.lms_mode():  # the guarded read pages it back in and goes through
+        assert int(t[-1]) == 4
+        assert int(t.sum(dtype=torch.int64)) == 4 * 8 * MiB
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     SCENARIOS[name]()

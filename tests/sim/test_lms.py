@@ -505,6 +505,29 @@ def test_unpin_all_skips_a_block_freed_while_pinned(lms) -> None:
         lms.unpin(ptr)  # one at a time, unpinning what is not pinned stays an error
 
 
+# ----------------------------------------------------------------------------- lms_check
+
+
+def test_describe_unguarded_names_blocks_that_can_go_under_an_unpinned_read(driver, lms) -> None:
+    fresh = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)  # never pinned: never paged out
+    small = lms.block_malloc(64 * 1024, mode="lms", stream=STREAM)  # shared segment: stays
+    assert lms.describe_unguarded([fresh, small, 0x10]) == ""
+    used = block(lms)
+    assert "inactive" in lms.describe_unguarded([fresh, used + 100])  # any address inside it
+    assert lms.pin(used, STREAM)
+    assert lms.describe_unguarded([used]) == ""  # pinned: safe
+    assert lms.unpin(used)
+    assert lms.reclaim_inactive() == 4 * MiB
+    problem = lms.describe_unguarded([fresh, used])
+    assert "paged out" in problem and hex(used) in problem and "4.00 MiB" in problem
+    driver.hold_copies(True)
+    assert lms.pin(used, STREAM) and lms.unpin(used)
+    lms.set_lms_headroom(16 * MiB)  # everything inactive starts paging out ahead at the next unpin
+    other = block(lms)
+    assert "paging out" in lms.describe_unguarded([used, other])
+    driver.hold_copies(False)
+
+
 def test_freeing_a_block_while_it_pages_out_lets_the_copy_finish(driver, ahead, consistent) -> None:
     ptrs = [block(ahead) for _ in range(3)]
     driver.hold_events(True)
