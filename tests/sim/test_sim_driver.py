@@ -428,33 +428,34 @@ def test_wildcard_counts_calls_of_every_function(driver: _C.SimDriver, allocator
     assert allocator.pause("t") == 4 * MiB
 
 
-def test_held_copies_stay_in_flight_until_waited_for(driver: _C.SimDriver, allocator) -> None:
-    # Note [Held copies]: a page-out started ahead copies on the allocator's own stream.
-    stream = 0x1000
+HELD_STREAM = 0x1000
+
+
+@pytest.fixture
+def copying(driver: _C.SimDriver, allocator):
+    """Four used lms blocks under a 16 MiB limit with 4 MiB of headroom and copies held: the
+    least recently used block's page-out (ahead) is in flight. Yields the blocks' addresses."""
     allocator.set_lms_limit(16 * MiB)
     allocator.set_lms_headroom(4 * MiB)
-    ptrs = [allocator.block_malloc(4 * MiB, mode="lms", stream=stream) for _ in range(4)]
+    ptrs = [allocator.block_malloc(4 * MiB, mode="lms", stream=HELD_STREAM) for _ in range(4)]
     driver.hold_copies(True)
     for ptr in ptrs:  # used, then inactive: the least recently used one starts paging out
-        assert allocator.pin(ptr, stream) and allocator.unpin(ptr)
+        assert allocator.pin(ptr, HELD_STREAM) and allocator.unpin(ptr)
+    yield ptrs
+    driver.hold_copies(False)
+
+
+def test_held_copies_stay_in_flight_until_waited_for(driver: _C.SimDriver, allocator, copying):
+    # Note [Held copies]: a page-out started ahead copies on the allocator's own stream.
     assert allocator.stats()["lms_paging_out_bytes"] == 4 * MiB
-    assert allocator.pin(ptrs[3], stream) and allocator.unpin(ptrs[3])  # polls: still running
+    assert allocator.pin(copying[3], HELD_STREAM) and allocator.unpin(copying[3])  # still running
     assert allocator.stats()["lms_paging_out_bytes"] == 4 * MiB
     driver.hold_copies(False)
-    assert allocator.pin(ptrs[3], stream) and allocator.unpin(ptrs[3])  # polls: done, unmapped
+    assert allocator.pin(copying[3], HELD_STREAM) and allocator.unpin(copying[3])  # done: unmapped
     assert allocator.stats()["lms_paging_out_bytes"] == 0
     assert allocator.stats()["reclaimed_bytes.lms.current"] == 4 * MiB
 
 
-def test_unmapping_memory_a_held_copy_uses_fails(driver: _C.SimDriver, allocator) -> None:
-    stream = 0x1000
-    allocator.set_lms_limit(16 * MiB)
-    allocator.set_lms_headroom(4 * MiB)
-    ptrs = [allocator.block_malloc(4 * MiB, mode="lms", stream=stream) for _ in range(4)]
-    driver.hold_copies(True)
-    for ptr in ptrs:
-        assert allocator.pin(ptr, stream) and allocator.unpin(ptr)
-    (copying,) = [s for s in allocator.segments() if s["ptr"] == ptrs[0]]
+def test_unmapping_memory_a_held_copy_uses_fails(driver: _C.SimDriver, copying) -> None:
     with pytest.raises(CudaError, match=r"a copy still in flight uses this memory.*\(error 719\)"):
-        driver.unmap(0, copying["ptr"], 4 * MiB)
-    driver.hold_copies(False)
+        driver.unmap(0, copying[0], 4 * MiB)
