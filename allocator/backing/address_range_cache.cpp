@@ -19,12 +19,15 @@ DevicePtr AddressRangeCache::take(std::size_t size) {
   if (it == ranges_.end()) return driver_.reserve_address(device_, size);
   const DevicePtr ptr = it->second;
   ranges_.erase(it);
+  cached_bytes_ -= size;
   return ptr;
 }
 
 void AddressRangeCache::give_back(DevicePtr ptr, std::size_t size) {
-  if (ranges_.size() < kMaxRanges) {
+  // Note [How many ranges]
+  if (ranges_.size() < kMaxRanges && cached_bytes_ + size <= kMaxCachedBytes) {
     ranges_.emplace(size, ptr);
+    cached_bytes_ += size;
     return;
   }
   driver_.free_address(device_, ptr, size);

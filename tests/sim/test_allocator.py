@@ -160,6 +160,19 @@ def test_address_ranges_are_reused_without_holding_memory(driver, allocator) -> 
     allocator.free(other)
 
 
+def test_address_ranges_of_many_sizes_are_all_reused(driver, allocator) -> None:
+    # LMS under a limit gives back and remakes segments of as many sizes as the model has tensor
+    # shapes, every iteration (Note [How many ranges]).
+    sizes = [(2 + 2 * i) * MiB for i in range(100)]
+    for size in sizes:
+        allocator.free(allocator.malloc(size))
+    driver.reset_call_counts()
+    for size in sizes:
+        allocator.free(allocator.malloc(size))
+    assert driver.call_counts().get("reserve_address", 0) == 0
+    assert driver.used_bytes() == 0
+
+
 def test_device_mode_allocates_but_cannot_pause(driver, allocator, fill, peek) -> None:
     ptr = allocator.malloc(3 * MiB, tag="plain", mode="device")
     data = fill(ptr, 3 * MiB)
