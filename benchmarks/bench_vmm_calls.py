@@ -6,7 +6,8 @@ each kind of load, through the library's own driver (no caching allocator in bet
 an address range, create physical memory, map it, set its access, unmap, release, free the range.
 The idle GPU is the baseline of the same run; each load reports its ratio to it.
 
-    python benchmarks/bench_vmm_calls.py [--segment-mib 32] [--reps 15] [--out FILE]
+    python benchmarks/bench_vmm_calls.py [--segment-mib 32] [--reps 15] [--d2h-pieces-mib 64,16,4]
+                                         [--out FILE]
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def one_cycle(driver: _C.Driver, size: int) -> dict[str, float]:
     return seconds
 
 
-def make_loads() -> dict[str, Callable[[], None]]:
-    """Work queued on a side stream, still running when the calls are made."""
+def make_loads(piece_mib: list[int]) -> dict[str, Callable[[], None]]:
+    """Work queued on a side stream, still running when the calls are made. `piece_mib`: sizes
+    of the pieces a device-to-host copy is also queued in, one load each."""
     side = torch.cuda.Stream()
     other = torch.cuda.Stream()
     host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -77,13 +79,24 @@ def make_loads() -> dict[str, Callable[[], None]]:
         with torch.cuda.stream(other):
             device[half:].copy_(host[half:], non_blocking=True)
 
-    return {
+    def device_to_host_in(piece: int) -> Callable[[], None]:
+        def load() -> None:
+            with torch.cuda.stream(side):
+                for start in range(0, COPY_BYTES, piece):
+                    host[start : start + piece].copy_(device[start : start + piece], True)
+
+        return load
+
+    loads = {
         "idle": lambda: None,
         "matmuls": matmuls,
         "host_to_device_copy": host_to_device,
         "device_to_host_copy": device_to_host,
         "both_directions": both_directions,
     }
+    for mib in piece_mib:
+        loads[f"device_to_host_{mib}MiB_pieces"] = device_to_host_in(mib * MiB)
+    return loads
 
 
 def measure(driver: _C.Driver, size: int, load: Callable[[], None], reps: int) -> dict:
@@ -107,6 +120,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--segment-mib", type=int, default=32)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument(
+        "--d2h-pieces-mib",
+        default="64,16,4",
+        help="also copy device to host in pieces of these sizes (comma-separated; '' for none)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -118,13 +136,13 @@ def main() -> int:
     if size % driver.granularity(0):
         print(f"--segment-mib must be a multiple of {granularity_mib}", file=sys.stderr)
         return 2
-    loads = make_loads()
+    loads = make_loads([int(mib) for mib in args.d2h_pieces_mib.split(",") if mib])
     rows = {}
     for name, load in loads.items():
         log(f"{name}: {args.reps} cycles of a {args.segment_mib} MiB segment")
         rows[name] = measure(driver, size, load, args.reps)
     idle = rows["idle"]
-    header = f"{'load':<22}" + "".join(f"{call:>16}" for call in CALLS)
+    header = f"{'load':<32}" + "".join(f"{call:>16}" for call in CALLS)
     print(f"median host ms per call, {args.segment_mib} MiB segment (x idle):")
     print(header)
     for name, row in rows.items():
@@ -134,7 +152,7 @@ def main() -> int:
             ratio = ms / idle[call]["median_ms"] if idle[call]["median_ms"] > 0 else float("nan")
             row[call]["vs_idle"] = ratio
             cells.append(f"{ms:7.3f} ({ratio:4.1f}x)")
-        print(f"{name:<22}" + "".join(f"{cell:>16}" for cell in cells))
+        print(f"{name:<32}" + "".join(f"{cell:>16}" for cell in cells))
     device_name = torch.cuda.get_device_name()
     out = args.out or default_output("vmm_calls", device_name, ".json")
     write_json(
@@ -147,6 +165,7 @@ def main() -> int:
             "segment_bytes": size,
             "copy_bytes": COPY_BYTES,
             "reps": args.reps,
+            "d2h_pieces_mib": args.d2h_pieces_mib,
             "by_load": rows,
         },
     )
