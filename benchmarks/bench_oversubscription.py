@@ -17,10 +17,12 @@ of --ratios (2 and 3: 2x and 3x oversubscription). Columns, each in a child proc
 (the global hooks must be installed before CUDA initializes):
 
   native             PyTorch's allocator, no limit: the reference (fused AdamW)
-  lms-vmm            tus.set_enabled_lms(True), VMM backing, set_limit_lms(limit), speculative
-                     page-out on and prefetch depth 2; tus.pin_parameters(model); lms_mode()
-                     around forward, backward and optimizer step; lms_step() after each step;
-                     AdamW foreach=False (one parameter at a time)
+  lms-vmm            tus.set_enabled_lms(True), VMM backing, set_limit_lms(limit),
+                     set_size_lms(--size-lms-mib), otherwise the library's defaults (speculative
+                     page-out on, prefetch depth 32, headroom limit / 32);
+                     tus.pin_parameters(model); lms_mode() around forward, backward and
+                     optimizer step; lms_step() after each step; fused AdamW in parameter
+                     groups of at most 256 MiB (one group's kernel fits under any limit tried)
   lms-vmm-plain      the same with speculation and prefetch off
   lms-managed        LMS on managed memory (set_backing_lms("managed")), otherwise as lms-vmm
   managed-budget     tus.set_enabled_uvm(True) + set_device_budget(limit): every allocation
@@ -60,7 +62,8 @@ When no peer fits, the peer part is met (nothing else trains under that limit); 
     python benchmarks/bench_oversubscription.py [--regimes activation,state] [--ratios 2,3]
         [--columns native,lms-vmm,lms-vmm-plain,lms-managed,managed-budget,save-on-cpu,
         fsdp2-cpu-offload] [--steps 6] [--warmup 2] [--seq 1024] [--activation-batch 8]
-        [--state-batch 1] [--no-pin-parameters] [--bandwidth-gib 2] [--child-timeout 600]
+        [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1] [--bandwidth-gib 2]
+        [--child-timeout 600]
         [--child-target-s 240] [--time-budget 1500] [--out FILE] [--merge] [--skip-bandwidth]
         [--plot FILE] [--report-only] [--strict]
 
@@ -245,6 +248,7 @@ class Runner:
                 "activation_batch",
                 "state_batch",
                 "pin_parameters",
+                "size_lms_mib",
                 "bandwidth_gib",
                 "child_timeout",
                 "child_target_s",
@@ -308,6 +312,7 @@ class Runner:
         command += ["--limit", str(int(limit)), "--native-peak", str(int(native_peak))]
         if not self.args.pin_parameters:
             command.append("--no-pin-parameters")
+        command += ["--size-lms-mib", f"{self.args.size_lms_mib:g}"]
         self.children += 1
         extra = f", limit {gib(limit)} GiB" if limit else ""
         log(f"[{self.elapsed()}] {key}: child {self.children}, timeout {timeout:.0f} s{extra}")
@@ -504,6 +509,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="tus.pin_parameters(model) in the LMS columns",
+    )
+    parser.add_argument(
+        "--size-lms-mib",
+        type=float,
+        default=1.0,
+        help="set_size_lms in the LMS columns: smaller blocks share segments, never paged out",
     )
     parser.add_argument("--bandwidth-gib", type=float, default=2.0, help="pinned copy_ size")
     parser.add_argument("--child-timeout", type=float, default=600.0, help="seconds per child")
