@@ -223,7 +223,7 @@ def install_backend(column: str, args) -> tuple[Any, dict]:
     backing = "managed" if column == "lms-managed" else "vmm"
     tus.set_backing_lms(backing)
     tus.set_limit_lms(args.limit)
-    tus.set_size_lms(int(getattr(args, "size_lms_mib", 1.0) * MiB))
+    tus.set_size_lms(int(args.size_lms_mib * MiB))
     settings = {"hook": "set_enabled_lms(True)", "backing": backing}
     if column == "lms-vmm-plain":
         tus.set_speculation_lms(False)
