@@ -69,10 +69,6 @@ def make_loads(piece_mib: list[int]) -> dict[str, Callable[[], None]]:
         with torch.cuda.stream(side):
             device.copy_(host, non_blocking=True)
 
-    def device_to_host() -> None:
-        with torch.cuda.stream(side):
-            host.copy_(device, non_blocking=True)
-
     def both_directions() -> None:
         with torch.cuda.stream(side):
             host[:half].copy_(device[:half], non_blocking=True)
@@ -80,6 +76,8 @@ def make_loads(piece_mib: list[int]) -> dict[str, Callable[[], None]]:
             device[half:].copy_(host[half:], non_blocking=True)
 
     def device_to_host_in(piece: int) -> Callable[[], None]:
+        """The whole buffer device to host, queued as copies of `piece` bytes."""
+
         def load() -> None:
             with torch.cuda.stream(side):
                 for start in range(0, COPY_BYTES, piece):
@@ -91,7 +89,7 @@ def make_loads(piece_mib: list[int]) -> dict[str, Callable[[], None]]:
         "idle": lambda: None,
         "matmuls": matmuls,
         "host_to_device_copy": host_to_device,
-        "device_to_host_copy": device_to_host,
+        "device_to_host_copy": device_to_host_in(COPY_BYTES),
         "both_directions": both_directions,
     }
     for mib in piece_mib:
@@ -132,9 +130,9 @@ def main() -> int:
         return 2
     driver = _C.CudaDriver()
     size = args.segment_mib * MiB
-    granularity_mib = driver.granularity(0) // MiB
-    if size % driver.granularity(0):
-        print(f"--segment-mib must be a multiple of {granularity_mib}", file=sys.stderr)
+    granularity = driver.granularity(0)
+    if size % granularity:
+        print(f"--segment-mib must be a multiple of {granularity // MiB}", file=sys.stderr)
         return 2
     loads = make_loads([int(mib) for mib in args.d2h_pieces_mib.split(",") if mib])
     rows = {}
