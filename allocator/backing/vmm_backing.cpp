@@ -83,6 +83,10 @@ void VmmBacking::restore_chunk(Segment& segment, Chunk& chunk) {
   try {
     driver_.map(device_, address, chunk.size, chunk.handle);
     chunk.mapped = true;
+    // In line, although cuMemSetAccess is the slow call under LMS (README, GPT-2 XL 2x): CUDA
+    // checks access when a copy or memset is queued (an invalid-value error before the grant,
+    // seen on an H200), and PyTorch queues copies into fresh blocks, so the memory must be
+    // accessible by the time the allocation returns. A worker thread cannot make the grant.
     driver_.set_access(device_, address, chunk.size);
   } catch (...) {
     try {
