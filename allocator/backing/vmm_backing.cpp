@@ -63,6 +63,8 @@ void VmmBacking::deallocate(Segment& segment) {
 }
 
 void VmmBacking::release_chunk(Segment& segment, Chunk& chunk) {
+  // In line as well: unmapping on a worker thread made the page-ins wait as long instead
+  // (paired GPT-2 XL 2x runs, README).
   if (chunk.mapped) {
     driver_.unmap(device_, segment.ptr + chunk.offset, chunk.size);
     chunk.mapped = false;
