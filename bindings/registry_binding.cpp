@@ -72,6 +72,7 @@ void bind_registry(py::module_& module) {
              "Why the last allocation PyTorch asked of us on this thread failed ('' if none).");
   module.attr("MALLOC_SYMBOL") = kMallocSymbol;
   module.attr("FREE_SYMBOL") = kFreeSymbol;
+  module.attr("HOOK_OUT_OF_MEMORY") = kHookOutOfMemory;
 }
 
 }  // namespace tus::bindings

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _C, _native
-from .errors import InvalidArgumentError, InvalidStateError
+from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 from .hooks import _install_global
 
 __all__ = [
@@ -269,17 +269,29 @@ class _PinOperatorInputs(TorchDispatchMode):
             return func(*args, **kwargs)
         by_device = _inputs_by_device(args, kwargs)
         if not by_device:
-            return func(*args, **kwargs)
+            return _raising_out_of_memory(func, args, kwargs)
         done: list[tuple[_C.Allocator, list[int]]] = []
         try:
             for index, ptrs in by_device.items():
                 allocator = _allocator_of(index)
                 allocator.pin_all(ptrs, _current_stream(index))
                 done.append((allocator, ptrs))
-            return func(*args, **kwargs)
+            return _raising_out_of_memory(func, args, kwargs)
         finally:
             for allocator, ptrs in reversed(done):
                 allocator.unpin_all(ptrs)
+
+
+def _raising_out_of_memory(func, args, kwargs):
+    """Runs the operator; an allocation that failed under the global hook arrives as a
+    RuntimeError (PyTorch lets a hook raise nothing else: Note [Failing under the global hook] in
+    pluggable_entry.cpp) and leaves as OutOfMemoryError, a torch.OutOfMemoryError."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        if isinstance(error, torch.OutOfMemoryError) or _C.HOOK_OUT_OF_MEMORY not in str(error):
+            raise
+        raise OutOfMemoryError(str(error)) from error
 
 
 @contextlib.contextmanager

@@ -184,6 +184,41 @@ def unguarded_reads_are_refused_under_lms_check() -> None:
         assert int(t.sum(dtype=torch.int64)) == 4 * 8 * MiB
 
 
+@scenario
+def out_of_memory_under_the_limit_raises_and_the_process_goes_on() -> None:
+    # The global hook hands PyTorch's tensors straight to us, and PyTorch does not check what
+    # the hook returns: a failed allocation has to raise, or a kernel writes through a null
+    # pointer and the CUDA context is lost (seen on an H200 before the fix).
+    import torch
+
+    import torch_uvm_saver as tus
+
+    tus.set_enabled_lms(True)
+    tus.set_limit_lms(256 * MiB)
+    kept = torch.full((32 * MiB,), 3, dtype=torch.int32, device="cuda")  # 128 MiB, never pinned
+    try:
+        torch.ones(64 * MiB, dtype=torch.int32, device="cuda")  # 256 MiB more: past the limit
+    except RuntimeError as error:
+        message = str(error)
+        print(f"raised as expected: {message[:200]}")
+        assert "CUDA out of memory" in message and "under the limit" in message, message
+    else:
+        raise AssertionError("an allocation past the LMS limit should have raised")
+    with tus.lms_mode():  # where LMS runs, the error is an out-of-memory error proper
+        try:
+            torch.ones(64 * MiB, dtype=torch.int32, device="cuda")
+        except tus.OutOfMemoryError as error:
+            assert isinstance(error, torch.OutOfMemoryError)
+        else:
+            raise AssertionError("an allocation past the LMS limit should have raised")
+    # The context is intact: kernels run, data kept on the device is unchanged.
+    small = torch.arange(1000, dtype=torch.float32, device="cuda")
+    assert float(small.sum()) == 499500.0
+    assert int(kept.min()) == 3 and int(kept.max()) == 3  # no wider copy: we sit at the limit
+    torch.cuda.synchronize()
+    assert tus.memory_stats()["num_ooms.lms"] >= 1
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     SCENARIOS[name]()

@@ -384,6 +384,29 @@ def two_hundred_cycles_return_to_the_baseline() -> None:
     assert [t.sum().item() for t in tensors] == expected
 
 
+@scenario
+def out_of_memory_under_the_global_hook_raises_and_the_process_goes_on() -> None:
+    # Note [Failing under the global hook]: PyTorch does not check what the hook returns, so a
+    # failed allocation must raise rather than hand a null pointer to the kernels.
+    import torch
+
+    import torch_uvm_saver as tus
+
+    tus.use_global_allocator("device")
+    kept = torch.full((1024,), 3.0, device="cuda")
+    too_much = 2 * torch.cuda.mem_get_info()[1]  # twice the card: plain device memory fails
+    try:
+        torch.ones(too_much, dtype=torch.uint8, device="cuda")
+    except RuntimeError as error:
+        print(f"raised as expected: {str(error)[:200]}")
+        assert "CUDA out of memory" in str(error), str(error)
+    else:
+        raise AssertionError("an allocation of twice the card should have raised")
+    assert float(kept.sum()) == 3072.0
+    assert float(torch.arange(10, device="cuda").sum()) == 45.0
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     SCENARIOS[name]()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_uvm_saver as tus
-from torch_uvm_saver import lms
+from torch_uvm_saver import _C, lms
 from torch_uvm_saver.errors import InvalidStateError
 
 
@@ -38,6 +38,13 @@ class StandInAllocator:
             if ptr in self.out and self.pins.get(ptr, 0) == 0:
                 return f"its block at {hex(ptr)} is paged out"
         return ""
+
+
+@torch.library.custom_op("tus_test::fail_like_the_global_hook", mutates_args=())
+def fail_like_the_global_hook(x: torch.Tensor) -> torch.Tensor:
+    """An operator whose output allocation failed under the global hook (Note [Failing under
+    the global hook] in pluggable_entry.cpp): PyTorch hands the hook's exception on as this."""
+    raise RuntimeError(f"{_C.HOOK_OUT_OF_MEMORY} 4096 bytes on device 0: lms: out of memory")
 
 
 @pytest.fixture
@@ -84,3 +91,15 @@ def test_lms_mode_pins_list_inputs_and_unpins_after_a_failure(allocator) -> None
             torch.add(a, b)  # shapes do not broadcast: the operator fails
     assert allocator.pins == {a.data_ptr(): 0, b.data_ptr(): 0}
     assert allocator.calls.count("pin_all") == allocator.calls.count("unpin_all") >= 2
+
+
+def test_lms_mode_raises_the_global_hooks_out_of_memory_as_out_of_memory(allocator) -> None:
+    a = torch.ones(3)
+    with tus.lms_mode():
+        with pytest.raises(tus.OutOfMemoryError, match="CUDA out of memory") as raised:
+            fail_like_the_global_hook(a)
+        assert isinstance(raised.value, torch.OutOfMemoryError)
+        with pytest.raises(RuntimeError) as other:  # any other failure passes as it was
+            torch.add(a, torch.ones(4))
+        assert not isinstance(other.value, torch.OutOfMemoryError)
+    assert allocator.pins[a.data_ptr()] == 0
