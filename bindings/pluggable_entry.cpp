@@ -43,8 +43,8 @@ void* tus_malloc(std::size_t size, int device, void* stream) {
   try {
     tus::bindings::thread_last_error().clear();
     tus::Registry& registry = tus::Registry::instance();
-    global = registry.global_hook();  // before anything that can fail
     tus::Allocator& allocator = registry.allocator(device);
+    global = registry.global_hook();
     if (global) {
       // Global hook mode: tensors themselves, cached here (caching/block_cache.h).
       const tus::RegionConfig& region = tus::thread_region();
