@@ -136,7 +136,10 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     }
     managed_residency_.check_guard(segment->size, region.tag);
   }
-  tags_[region.tag];  // a tag exists from its first allocation on
+  TagState& tag_state = tag_state_locked(region.tag);  // a tag exists from its first allocation
+  if (region.cpu_backup && region.host_backup != HostBackup::kTagPolicy) {
+    tag_state.policy.pinned = region.host_backup == HostBackup::kPinned;
+  }
   if (region.mode == Mode::kLms) make_room_for_lms_locked(segment->size, region.tag);
   try {
     backing.allocate(*segment);
@@ -378,9 +381,27 @@ std::optional<std::size_t> Allocator::managed_limit() const {
   return managed_residency_.limit();
 }
 
+Allocator::TagState& Allocator::tag_state_locked(const std::string& tag) {
+  auto it = tags_.find(tag);
+  if (it != tags_.end()) return it->second;
+  TagState& state = tags_[tag];
+  state.policy = default_policy_;
+  return state;
+}
+
+void Allocator::set_default_backup_policy(const BackupPolicy& policy) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  default_policy_ = policy;
+}
+
+bool Allocator::owns(DevicePtr ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return segments_.count(ptr) != 0;
+}
+
 void Allocator::enter_region(const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TagState& state = tags_[region.tag];
+  TagState& state = tag_state_locked(region.tag);
   if (state.paused) {
     TUS_THROW(InvalidState, "region(tag=" << quoted(region.tag) << "): the tag is paused; call "
                                           << "resume(" << quoted(region.tag)
@@ -544,13 +565,13 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
 
 void Allocator::set_backup_policy(const std::string& tag, const BackupPolicy& policy) {
   std::lock_guard<std::mutex> lock(mutex_);
-  tags_[tag].policy = policy;
+  tag_state_locked(tag).policy = policy;
 }
 
 BackupPolicy Allocator::backup_policy(const std::string& tag) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tags_.find(tag);
-  return it == tags_.end() ? BackupPolicy{} : it->second.policy;
+  return it == tags_.end() ? default_policy_ : it->second.policy;
 }
 
 std::optional<BackupView> Allocator::backup_of(DevicePtr ptr) const {

@@ -146,6 +146,12 @@ class Allocator final : private SegmentSource {
   std::size_t resume(const std::optional<std::string>& tag);
   void set_backup_policy(const std::string& tag, const BackupPolicy& policy);
   BackupPolicy backup_policy(const std::string& tag) const;
+  // The policy a tag starts with (torch_memory_saver's process-wide retain_cpu_backup); tags that
+  // exist keep theirs.
+  void set_default_backup_policy(const BackupPolicy& policy);
+  // True when `ptr` is the base address of a segment this allocator handed out (the preload
+  // hook's cudaFree asks before forwarding a pointer to CUDA).
+  bool owns(DevicePtr ptr) const;
 
   std::optional<BackupView> backup_of(DevicePtr ptr) const;
   bool knows_tag(const std::string& tag) const;
@@ -190,6 +196,7 @@ class Allocator final : private SegmentSource {
   void reuse_segment(Segment& segment, StreamHandle stream) override;
   std::size_t single_block_bytes(Mode mode) override;
   TagState& known_tag_locked(const char* call, const std::string& tag);
+  TagState& tag_state_locked(const std::string& tag);  // created with the default policy
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
   std::size_t pause_tag_locked(const std::string& tag);
@@ -208,6 +215,7 @@ class Allocator final : private SegmentSource {
   PauseController pauser_;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments_;  // by base address
   std::map<std::string, TagState> tags_;
+  BackupPolicy default_policy_;
   StatsBook stats_;
   ManagedResidency managed_residency_;
   LmsResidency lms_;

@@ -2,8 +2,21 @@
 
 namespace tus {
 
+namespace {
+
+RegionConfig& initial() {
+  static auto* region = new RegionConfig();  // leaked: threads may start during process exit
+  return *region;
+}
+
+}  // namespace
+
+void set_initial_region(const RegionConfig& region) { initial() = region; }
+
+const RegionConfig& initial_region() { return initial(); }
+
 RegionConfig& thread_region() {
-  thread_local RegionConfig config;
+  thread_local RegionConfig config = initial();
   return config;
 }
 

@@ -28,16 +28,28 @@ struct ManagedAdvice {
   }
 };
 
+// Which host memory a backed segment's bytes go to at pause when the region names it
+// (torch_memory_saver picks it per allocation: cpu_backup_backend "pinned" or "mmap");
+// kTagPolicy leaves it to the tag's BackupPolicy (set_backup_policy).
+enum class HostBackup : unsigned char { kTagPolicy, kPinned, kPageable };
+
 struct RegionConfig {
   Mode mode = Mode::kVmm;
   std::string tag = "default";
-  bool cpu_backup = false;
+  bool cpu_backup = false;  // segments allocated here keep their bytes across a pause
+  HostBackup host_backup = HostBackup::kTagPolicy;
   ManagedAdvice advice;  // mode kManaged only
   // False outside every region: the global hook then uses the process default (Registry).
   bool active = false;
 };
 
-// The calling thread's region; outside any region it is the default above.
+// The calling thread's region. A thread starts in the process's initial region: outside every
+// region, unless the preload library was told by its environment to start every thread inside
+// one (TMS_INIT_ENABLE=1, Note [Preload environment] in bindings/preload_environment.h).
 RegionConfig& thread_region();
+// Sets what threads start in; called once, while the preload library loads, before any thread
+// has read its region.
+void set_initial_region(const RegionConfig& region);
+const RegionConfig& initial_region();
 
 }  // namespace tus

@@ -65,6 +65,7 @@ std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!owned_[device]) {
     owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
+    owned_[device]->set_default_backup_policy(default_policy_);
     fast_[device].store(owned_[device].get(), std::memory_order_release);
   }
   return owned_[device];
@@ -94,6 +95,38 @@ void Registry::install_driver(std::shared_ptr<Driver> driver, AllocatorOptions o
   }
   driver_ = std::move(driver);
   options_ = options;
+}
+
+void Registry::check_memory_margin(int device, std::size_t size) {
+  const std::size_t margin = memory_margin();
+  if (margin == 0) return;
+  const MemInfo info = driver()->mem_get_info(device);
+  if (info.free_bytes >= margin && info.free_bytes - margin >= size) return;
+  TUS_THROW(OutOfMemory, "allocating " << format_bytes(size) << " on device " << device
+                                       << " would leave less than the memory margin of "
+                                       << format_bytes(margin) << " free (" << format_bytes(info.free_bytes)
+                                       << " free)");
+}
+
+Allocator* Registry::owner_of(DevicePtr ptr) {
+  for (auto& slot : fast_) {
+    Allocator* allocator = slot.load(std::memory_order_acquire);
+    if (allocator != nullptr && allocator->owns(ptr)) return allocator;
+  }
+  return nullptr;
+}
+
+void Registry::set_default_backup_policy(const BackupPolicy& policy) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  default_policy_ = policy;
+  for (const auto& allocator : owned_) {
+    if (allocator) allocator->set_default_backup_policy(policy);
+  }
+}
+
+BackupPolicy Registry::default_backup_policy() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return default_policy_;
 }
 
 void Registry::enable_global_hook(const RegionConfig& default_region) {

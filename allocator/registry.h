@@ -38,6 +38,24 @@ class Registry {
   // Replaces the driver (tests, the simulated demo). Refused while any allocator holds memory.
   void install_driver(std::shared_ptr<Driver> driver, AllocatorOptions options = {});
 
+  // The allocator that handed out the segment at `ptr`, or nullptr (not ours).
+  Allocator* owner_of(DevicePtr ptr);
+  // The backup policy new tags start with, on every device (torch_memory_saver's process-wide
+  // retain_cpu_backup and TMS_INIT_CPU_BACKUP_BACKEND).
+  void set_default_backup_policy(const BackupPolicy& policy);
+  BackupPolicy default_backup_policy();
+
+  // The preload hook mode: the LD_PRELOAD library interposes cudaMalloc/cudaFree and says so
+  // while it loads. Only reported (hook_mode()); the interposer itself reads thread_region().
+  void set_preload_hook() { preload_hook_.store(true, std::memory_order_release); }
+  bool preload_hook() const { return preload_hook_.load(std::memory_order_acquire); }
+  // torch_memory_saver's memory_margin_bytes: an allocation through a hook is refused when it
+  // would leave less than this free on the device (0: no margin).
+  void set_memory_margin(std::size_t bytes) { margin_.store(bytes, std::memory_order_relaxed); }
+  std::size_t memory_margin() const { return margin_.load(std::memory_order_relaxed); }
+  // Throws OutOfMemory when `size` more bytes would break the margin.
+  void check_memory_margin(int device, std::size_t size);
+
   // The global hook mode: PyTorch hands every CUDA allocation to the extern "C" entry points,
   // which serve it from the allocators' block caches, in the calling thread's region or, outside
   // regions, in `default_region`. Set once per process (PyTorch cannot swap its allocator back);
@@ -59,6 +77,9 @@ class Registry {
   // Allocators replaced by install_driver stay alive: a pointer to one may still be in use.
   std::vector<std::shared_ptr<Allocator>> retired_;
   std::atomic<bool> global_hook_{false};
+  std::atomic<bool> preload_hook_{false};
+  std::atomic<std::size_t> margin_{0};
+  BackupPolicy default_policy_;
   RegionConfig global_default_;
 };
 

@@ -51,6 +51,7 @@ void* tus_malloc(std::size_t size, int device, void* stream) {
       return reinterpret_cast<void*>(
           allocator.block_malloc(size, stream, region.active ? region : registry.global_default()));
     }
+    registry.check_memory_margin(device, size);
     return reinterpret_cast<void*>(allocator.malloc(size, stream, tus::thread_region()));
   } catch (const std::exception& error) {
     tus::bindings::thread_last_error() = error.what();

@@ -40,6 +40,51 @@ void bind_registry(py::module_& module) {
       py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
       py::arg("read_mostly") = false,
       "Set the region the calling thread's allocations through PyTorch belong to.");
+  py::class_<RegionConfig>(module, "RegionState",
+                           "A thread's whole region state, saved to be put back later.");
+  module.def(
+      "save_thread_region", [] { return thread_region(); },
+      "The calling thread's region state (restore_thread_region puts it back).");
+  module.def(
+      "restore_thread_region", [](const RegionConfig& state) { thread_region() = state; },
+      py::arg("state"));
+  module.def(
+      "set_thread_host_backup",
+      [](const std::optional<std::string>& backend) {
+        thread_region().host_backup = !backend           ? HostBackup::kTagPolicy
+                                      : *backend == "pinned" ? HostBackup::kPinned
+                                      : *backend == "mmap"   ? HostBackup::kPageable
+                                                             : throw InvalidArgument(
+                                                                 "cpu_backup_backend is 'pinned', "
+                                                                 "'mmap' or None, got '" +
+                                                                 *backend + "'");
+      },
+      py::arg("backend"),
+      "Where the calling thread's backed allocations keep their backup: 'pinned', 'mmap' "
+      "(pageable) or None (the tag's policy).");
+  module.def(
+      "preload_hook", [] { return Registry::instance().preload_hook(); },
+      "True when the preload library interposes cudaMalloc in this process.");
+  module.def(
+      "set_default_backup_policy",
+      [](bool retain, bool pinned) {
+        BackupPolicy policy = Registry::instance().default_backup_policy();
+        policy.retain = retain;
+        policy.pinned = pinned;
+        Registry::instance().set_default_backup_policy(policy);
+      },
+      py::arg("retain"), py::arg("pinned"), "The backup policy new tags start with.");
+  module.def(
+      "default_backup_policy",
+      [] {
+        const BackupPolicy policy = Registry::instance().default_backup_policy();
+        return py::make_tuple(policy.retain, policy.pinned);
+      },
+      "(retain, pinned) of the policy new tags start with.");
+  module.def(
+      "set_memory_margin",
+      [](std::size_t bytes) { Registry::instance().set_memory_margin(bytes); }, py::arg("bytes"),
+      "Refuse hooked allocations that would leave less than `bytes` free on the device.");
   module.def(
       "clear_thread_region", [] { thread_region() = RegionConfig{}; },
       "The calling thread leaves every region (the global hook then uses its default).");

@@ -10,7 +10,10 @@ memory, which ``to``/``prefetch``/``advise`` move between host and GPU without c
 
 from __future__ import annotations
 
-from . import _C
+# First: when the build is missing, the error says what to do (instead of a circular import).
+from ._load import _C as _C
+
+# isort: split
 from . import hooks as _hooks
 from .errors import (
     CudaError,
@@ -19,10 +22,12 @@ from .errors import (
     OutOfMemoryError,
     TusError,
 )
+from .graphs import cuda_graph
 from .hooks import (
     empty_cache,
     get_enabled_uvm,
     hook_mode,
+    preload_library_path,
     record_stream,
     set_enabled_uvm,
     use_global_allocator,
@@ -73,11 +78,11 @@ from .residency import (
     set_backup_policy,
 )
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
+from .tms_compat import torch_memory_saver
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "_C",
     "CudaError",
     "InvalidArgumentError",
     "InvalidStateError",
@@ -85,6 +90,7 @@ __all__ = [
     "ParameterPins",
     "TusError",
     "advise",
+    "cuda_graph",
     "disable",
     "empty_cache",
     "get_backing_lms",
@@ -111,6 +117,7 @@ __all__ = [
     "pin_parameters",
     "pinned",
     "prefetch",
+    "preload_library_path",
     "reclaim_inactive",
     "record_stream",
     "region",
@@ -129,6 +136,7 @@ __all__ = [
     "set_size_lms",
     "set_speculation_lms",
     "to",
+    "torch_memory_saver",
     "unmanage_memory",
     "unpin",
     "use_global_allocator",

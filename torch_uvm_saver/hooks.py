@@ -33,6 +33,7 @@ __all__ = [
     "empty_cache",
     "get_enabled_uvm",
     "hook_mode",
+    "preload_library_path",
     "record_stream",
     "set_enabled_uvm",
     "use_global_allocator",
@@ -46,8 +47,19 @@ _original_record_stream = torch.Tensor.record_stream
 
 
 def hook_mode() -> str:
-    """``"global"`` once the global hook is installed, else ``"torch"``."""
-    return "global" if _C.global_hook() is not None else "torch"
+    """``"global"`` once the global hook is installed, ``"preload"`` when the preload library
+    interposes ``cudaMalloc`` (``LD_PRELOAD``, see ``preload_library_path()``), else
+    ``"torch"``."""
+    if _C.global_hook() is not None:
+        return "global"
+    return "preload" if _C.preload_hook() else "torch"
+
+
+def preload_library_path() -> str:
+    """The preload library's file, for ``LD_PRELOAD`` (torch_memory_saver's file name)."""
+    from pathlib import Path
+
+    return str(Path(_C.__file__).with_name("torch_memory_saver_hook_mode_preload.so"))
 
 
 def _install_global(default_mode: str, caller: str) -> None:

@@ -23,7 +23,16 @@ Note [Regions in the global hook mode]
 Note [Nested regions]
     PyTorch hands an allocation to the first pool whose routing is active, not the innermost, so
     entering a region (or ``disable()``) ends the enclosing region's routing and leaving it starts
-    it again. Each thread keeps its own stack of regions.
+    it again. Each thread keeps its own stack of regions. Leaving a region puts back the thread's
+    whole native region state as it was on entry: in preload mode with ``TMS_INIT_ENABLE=1`` a
+    thread starts inside the "default" region, and leaving a nested region returns it there.
+
+Note [Regions in the preload hook mode]
+    With the preload library (``LD_PRELOAD``, hook mode "preload") PyTorch's own allocator gets
+    its segments from ``cudaMalloc``, which the library serves from our allocator while the
+    thread is in a region. A region still gets a pool of its own (a plain ``MemPool``): PyTorch
+    must not hand a tensor of the region a cached block of other memory, nor other code a block
+    of memory that pauses.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,7 +66,7 @@ _thread = threading.local()
 class _Frame:
     pool: torch.cuda.MemPool | None  # None inside disable() and in the global hook mode
     device: int
-    config: RegionKey | None  # None inside disable(): no region
+    enter: Callable[[], None]  # sets the thread's native region state for this frame
 
 
 def _stack() -> list[_Frame]:
@@ -86,52 +95,65 @@ def _warn_if_expandable_segments() -> None:
             )
 
 
-def _pool_for(config: RegionKey, device: int) -> torch.cuda.MemPool:
+def new_pool(device: int) -> torch.cuda.MemPool:
+    """A pool whose segments come from torch_uvm_saver in the current hook mode: through our
+    pluggable allocator in torch hook mode, through the preload hook's cudaMalloc in preload mode
+    (Note [Regions in the preload hook mode])."""
     global _pluggable
+    with torch.cuda.device(device):
+        if _C.preload_hook():
+            return torch.cuda.MemPool()
+        if _pluggable is None:
+            _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                _C.__file__, _C.MALLOC_SYMBOL, _C.FREE_SYMBOL
+            )
+        return torch.cuda.MemPool(_pluggable.allocator())
+
+
+def pool_for(config: RegionKey, device: int) -> torch.cuda.MemPool:
+    """The process's pool for a region configuration on ``device``, made on first use."""
     key = (config, device)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            if _pluggable is None:
-                _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-                    _C.__file__, _C.MALLOC_SYMBOL, _C.FREE_SYMBOL
-                )
-            with torch.cuda.device(device):
-                pool = torch.cuda.MemPool(_pluggable.allocator())
+            pool = new_pool(device)
             _pools[key] = pool
         return pool
 
 
-def _start_routing(frame: _Frame) -> None:
-    if frame.config is None:
-        _C.clear_thread_region()
-    else:
-        _C.set_thread_region(*frame.config)
+def _begin_pool(frame: _Frame) -> None:
     if frame.pool is not None:
         torch._C._cuda_beginAllocateCurrentThreadToPool(frame.device, frame.pool.id)
 
 
-def _stop_routing(frame: _Frame) -> None:
+def _end_pool(frame: _Frame) -> None:
     if frame.pool is not None:
         torch._C._cuda_endAllocateToPool(frame.device, frame.pool.id)
         torch._C._cuda_releasePool(frame.device, frame.pool.id)
-    _C.clear_thread_region()
 
 
 @contextlib.contextmanager
-def _routed(frame: _Frame) -> Iterator[None]:
+def routed(
+    pool: torch.cuda.MemPool | None, device: int, enter: Callable[[], None]
+) -> Iterator[None]:
+    """Route the calling thread's allocations on ``device`` to ``pool`` (None: no pool), with the
+    native region state that ``enter()`` sets; both are undone on exit (Note [Nested regions])."""
     stack = _stack()
+    saved = _C.save_thread_region()
     if stack:
-        _stop_routing(stack[-1])  # Note [Nested regions]
-    _start_routing(frame)
+        _end_pool(stack[-1])
+    frame = _Frame(pool, device, enter)
+    frame.enter()
+    _begin_pool(frame)
     stack.append(frame)
     try:
         yield
     finally:
         stack.pop()
-        _stop_routing(frame)
+        _end_pool(frame)
+        _C.restore_thread_region(saved)
         if stack:
-            _start_routing(stack[-1])
+            _begin_pool(stack[-1])
 
 
 @contextlib.contextmanager
@@ -184,8 +206,8 @@ def region(
     allocator.enter_region(tag, mode, bool(enable_cpu_backup))
     try:
         # Note [Regions in the global hook mode]
-        pool = None if _C.global_hook() is not None else _pool_for(config, index)
-        with _routed(_Frame(pool, index, config)):
+        pool = None if _C.global_hook() is not None else pool_for(config, index)
+        with routed(pool, index, lambda: _C.set_thread_region(*config)):
             yield
     finally:
         allocator.exit_region(tag)
@@ -226,9 +248,16 @@ def disable() -> Iterator[None]:
     """Inside a region, allocate with PyTorch's own allocator (memory that never pauses).
 
     In the global hook mode, allocations get the process default instead (Note [Regions in the
-    global hook mode]).
+    global hook mode]). In the preload hook mode they go to a pool of their own that is dropped
+    when the block ends, so its memory is given back then.
     """
     stack = _stack()
     device = stack[-1].device if stack else _native.device_index(None)
-    with _routed(_Frame(None, device, None)):
-        yield
+    # In preload mode PyTorch's default pool can hold our (paused) memory, so plain memory gets a
+    # pool of its own, dropped afterwards: its memory goes back when the block ends.
+    pool = torch.cuda.MemPool() if _C.preload_hook() else None
+    try:
+        with routed(pool, device, _C.clear_thread_region):
+            yield
+    finally:
+        del pool

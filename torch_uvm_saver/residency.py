@@ -15,6 +15,7 @@ import threading
 import torch
 
 from . import _C, _native
+from .capture import refuse_during_capture
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -51,10 +52,12 @@ def pause(tag: str | None = None) -> int:
 
     Raises:
         InvalidArgumentError: unknown tag, or the tag holds ``mode="device"`` memory.
-        InvalidStateError: a ``region`` of the tag is still open.
+        InvalidStateError: a ``region`` of the tag is still open, or a CUDA graph capture is
+            (Note [Pausing during capture] in capture.py).
         CudaError: a driver call failed; the message says whether the tag is partly paused.
             Nothing with a backup is lost; call ``pause`` or ``resume`` again.
     """
+    refuse_during_capture("pause")
     return sum(allocator.pause(tag) for allocator in _owners(tag, "pause"))
 
 
@@ -68,6 +71,7 @@ def resume(tag: str | None = None) -> int:
             was resumed and the backups are intact: free memory and call ``resume`` again.
         InvalidArgumentError: unknown tag.
     """
+    refuse_during_capture("resume")
     return sum(allocator.resume(tag) for allocator in _owners(tag, "resume"))
 
 

@@ -1,0 +1,1 @@
+"""Hook modes, as torch_memory_saver names them: "preload" (LD_PRELOAD) and "torch" (MemPools)."""
