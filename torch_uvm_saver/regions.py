@@ -132,6 +132,15 @@ def _end_pool(frame: _Frame) -> None:
         torch._C._cuda_releasePool(frame.device, frame.pool.id)
 
 
+def _retire(pool: torch.cuda.MemPool) -> None:
+    # PyTorch refuses to destroy a pool while any pool routing of the thread is open (an internal
+    # assert in emptyCache), so a pool that ends inside a region goes when the outermost ends.
+    retired = _thread.__dict__.setdefault("retired", [])
+    retired.append(pool)
+    if not _stack():
+        retired.clear()
+
+
 @contextlib.contextmanager
 def routed(
     pool: torch.cuda.MemPool | None, device: int, enter: Callable[[], None]
@@ -154,6 +163,8 @@ def routed(
         _C.restore_thread_region(saved)
         if stack:
             _begin_pool(stack[-1])
+        else:
+            _thread.__dict__.get("retired", []).clear()
 
 
 @contextlib.contextmanager
@@ -260,4 +271,5 @@ def disable() -> Iterator[None]:
         with routed(pool, device, _C.clear_thread_region):
             yield
     finally:
-        del pool
+        if pool is not None:
+            _retire(pool)
