@@ -64,6 +64,7 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
+  HostBufferPool::pin_ahead();  // a TUS_PIN_AHEAD it cannot read fails here, not in a malloc
 }
 
 Allocator::~Allocator() {
@@ -165,7 +166,30 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
       log_once("budget", std::string("device budget: eviction failed: ") + error.what());
     }
   }
+  if (placed.mode == Mode::kVmm && placed.cpu_backup && HostBufferPool::pin_ahead()) {
+    placed.pin_ahead = true;
+    expect_pinned_buffer_locked(placed);
+  }
   return placed;
+}
+
+void Allocator::expect_pinned_buffer_locked(Segment& segment) {
+  // Note [Pinning ahead] in host_buffer_pool.h: the pool's demand is exactly the segments that
+  // will ask for a pinned buffer and hold none.
+  const bool will_ask = segment.pin_ahead && !segment.backup && tags_[segment.tag].policy.pinned;
+  if (will_ask == segment.pin_ahead_expected) return;
+  segment.pin_ahead_expected = will_ask;
+  if (will_ask) {
+    host_buffers_.expect(segment.size);
+  } else {
+    host_buffers_.forget_expected(segment.size);
+  }
+}
+
+void Allocator::stop_expecting_locked(Segment& segment) {
+  if (!segment.pin_ahead_expected) return;
+  segment.pin_ahead_expected = false;
+  host_buffers_.forget_expected(segment.size);
 }
 
 void Allocator::free(DevicePtr ptr) noexcept {
@@ -197,6 +221,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     log_once("free_failed", std::string("free: ") + error.what());
     stats_.for_scopes(segment.mode, segment.tag, [](ScopeStats& s) { ++s.num_free_failures; });
   }
+  stop_expecting_locked(segment);  // its buffer, if ready, stays in the pool for the next one
   host_buffers_.release(segment.backup);
   stats_.apply(segment.mode, segment.tag, before, Footprint{});
   segments_.erase(it);
@@ -491,8 +516,13 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     state.paused = true;
     return 0;
   }
+  // The pause asks the pool now: the worker need not prepare more for these (Note [Pinning ahead]).
+  for (Segment* segment : segments) stop_expecting_locked(*segment);
+  const HostPoolCounters pool_before = host_buffers_.counters();
   const ResidencyChange change =
       change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, vmm_, state.policy); });
+  const HostPoolCounters pool_after = host_buffers_.counters();
+  for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);  // those it left
   const std::exception_ptr& error = change.error;
   std::size_t released = 0;
   std::size_t copied = 0;
@@ -510,6 +540,8 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     if (released > 0) ++scope.num_pauses;
     scope.pause_seconds += change.seconds;
     scope.pause_copy_bytes += static_cast<std::int64_t>(copied);
+    scope.pause_buffer_hits += pool_after.hits - pool_before.hits;
+    scope.pause_buffer_misses += pool_after.misses - pool_before.misses;
   });
   if (error) {
     rethrow_with_context(error, "pause(" + quoted(tag) + ") on device " + std::to_string(device_),
@@ -540,6 +572,8 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
   }
   const ResidencyChange change = change_residency(
       stats_, tag, segments, [&] { pauser_.resume(segments, vmm_, state.policy); });
+  // A buffer given back at resume is the one the next pause will find (Note [Pinning ahead]).
+  for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);
   const std::exception_ptr& error = change.error;
   if (error) {
     std::string suffix = " (nothing was resumed; the backups are intact";
@@ -566,6 +600,9 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
 void Allocator::set_backup_policy(const std::string& tag, const BackupPolicy& policy) {
   std::lock_guard<std::mutex> lock(mutex_);
   tag_state_locked(tag).policy = policy;
+  for (Segment* segment : segments_of_locked(tag, Mode::kVmm)) {
+    expect_pinned_buffer_locked(*segment);
+  }
 }
 
 BackupPolicy Allocator::backup_policy(const std::string& tag) const {
@@ -623,10 +660,16 @@ StatsDict Allocator::stats() {
   managed_residency_.collect_timings(false);
   StatsDict out;
   stats_.add_to(out);
-  out["host_pool_bytes.current"] = static_cast<std::int64_t>(host_buffers_.pinned_bytes());
-  out["host_pool_cached_bytes.current"] = static_cast<std::int64_t>(host_buffers_.cached_bytes());
-  out["host_pool_hits"] = static_cast<std::int64_t>(host_buffers_.hits());
-  out["host_pool_misses"] = static_cast<std::int64_t>(host_buffers_.misses());
+  const HostPoolCounters pool = host_buffers_.counters();
+  out["host_pool_bytes.current"] = static_cast<std::int64_t>(pool.pinned_bytes);
+  out["host_pool_cached_bytes.current"] = static_cast<std::int64_t>(pool.cached_bytes);
+  out["host_pool_hits"] = static_cast<std::int64_t>(pool.hits);
+  out["host_pool_misses"] = static_cast<std::int64_t>(pool.misses);
+  out["host_pool_waits"] = static_cast<std::int64_t>(pool.waits);
+  out["host_pinned_ahead_bytes"] = static_cast<std::int64_t>(pool.pinned_ahead_bytes);
+  out["host_pin_ahead_failures"] = static_cast<std::int64_t>(pool.pin_ahead_failures);
+  out["host_pin_ahead_pending_bytes.current"] =
+      static_cast<std::int64_t>(pool.pin_ahead_pending_bytes);
   out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
   out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
   out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
@@ -656,7 +699,15 @@ void Allocator::reset_peak() {
 
 std::size_t Allocator::release_host_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // trim() drops the pool's demand with the prepared buffers: nothing is pinned again until a
+  // segment's next pause or resume (Note [Pinning ahead]).
+  for (auto& [ptr, segment] : segments_) segment->pin_ahead_expected = false;
   return host_buffers_.trim();
+}
+
+bool Allocator::wait_for_pin_ahead(std::optional<double> timeout_s) {
+  // Not under mutex_: the pool has its own lock, and a wait must not hold up malloc.
+  return host_buffers_.wait_idle(timeout_s);
 }
 
 MemInfo Allocator::mem_get_info() { return driver_->mem_get_info(device_); }

@@ -19,7 +19,8 @@
 //
 // Locking: one mutex, never recursive, held for the whole of each public call (a pause holds it
 // while its copies run, so a malloc on another thread waits for the pause). Private *_locked
-// helpers assume it is held. Nothing here calls Python.
+// helpers assume it is held. The host buffer pool has a lock of its own, taken after this one,
+// never before (Note [Pinning ahead] in residency/host_buffer_pool.h). Nothing here calls Python.
 #pragma once
 
 #include <cstddef>
@@ -161,6 +162,9 @@ class Allocator final : private SegmentSource {
   StatsDict stats();  // also collects completed prefetch timings
   void reset_peak();
   std::size_t release_host_cache();
+  // Waits until the host pool has pinned every buffer it expects (Note [Pinning ahead] in
+  // host_buffer_pool.h); false if `timeout_s` passed first. For tests and benchmarks.
+  bool wait_for_pin_ahead(std::optional<double> timeout_s);
   MemInfo mem_get_info();
 
  private:
@@ -200,6 +204,9 @@ class Allocator final : private SegmentSource {
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
   std::size_t pause_tag_locked(const std::string& tag);
+  // Note [Pinning ahead]: tells the pool whether `segment` will ask for a pinned buffer.
+  void expect_pinned_buffer_locked(Segment& segment);
+  void stop_expecting_locked(Segment& segment);
   std::size_t resume_tag_locked(const std::string& tag);
   std::string memory_report_locked();
 

@@ -84,6 +84,10 @@ struct Segment {
   HostBuffer backup;          // held while paused with backup, or retained after resume
   ManagedState managed;       // mode kManaged only
   LmsLinks lms;               // mode kLms only
+  // Note [Pinning ahead] in host_buffer_pool.h: allocated with pinning ahead on, for a pinned
+  // backup; `pin_ahead_expected` while the host pool counts it among the buffers to have ready.
+  bool pin_ahead = false;
+  bool pin_ahead_expected = false;
 
   bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
 

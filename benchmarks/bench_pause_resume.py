@@ -6,7 +6,13 @@ Targets (issue 2): pause and resume with backup each reach at least 85% of the p
 bandwidth; pause without backup of 8 GiB takes at most 10 ms.
 
     python benchmarks/bench_pause_resume.py [--gib 8] [--tensors 16] [--reps 5] [--out FILE]
-                                             [--peer tms]
+                                             [--peer tms] [--cold-wait-s 3] [--cold both]
+
+Cold start (Note [Pinning ahead] in allocator/residency/host_buffer_pool.h): in a fresh child
+process per setting, fill the region, sleep --cold-wait-s (the RL loop loading, then pausing),
+time the first pause with backup and then --reps more; the ratio first / median of the later
+ones should be at most 1.5 with pinning ahead on. Off is the baseline (the first pause pins its
+buffers itself). --cold none skips it.
 
 With --peer tms, torch_memory_saver (installed separately; never part of this project) is
 measured on the same sizes in child processes of the same run, in its torch hook mode, with its
@@ -121,6 +127,56 @@ def pause_resume(saver, tag: str, backup: bool, each: int, count: int, reps: int
 
 
 PEER_MARK = "PEER_RESULT "
+COLD_MARK = "COLD_RESULT "
+
+
+def cold_child(pin_ahead: bool, each: int, count: int, reps: int, wait_s: float) -> int:
+    """The first pause of a fresh process (empty host pool), `wait_s` after the region is filled."""
+    tus.set_pin_ahead(pin_ahead)
+    tag = "bench-cold"
+    with tus.region(tag, enable_cpu_backup=True):
+        tensors = [torch.empty(each, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    for t in tensors:
+        t.random_()
+    checksums = [int(t.sum(dtype=torch.int64)) for t in tensors]
+    time.sleep(wait_s)
+    before = tus.memory_stats()
+    first = timed(lambda: tus.pause(tag))
+    after = tus.memory_stats()
+    tus.resume(tag)
+    later = []
+    for _ in range(reps):
+        later.append(timed(lambda: tus.pause(tag)))
+        tus.resume(tag)
+    intact = [int(t.sum(dtype=torch.int64)) for t in tensors] == checksums
+    median_later = statistics.median(later)
+    scope = f"tag:{tag}"
+    result = {
+        "pin_ahead": pin_ahead,
+        "wait_s": wait_s,
+        "first_pause_s": first,
+        "later_pauses": summary(later, each * count),
+        "first_over_later": first / median_later,
+        "pending_at_pause_bytes": before["host_pin_ahead_pending_bytes.current"],
+        "pinned_ahead_bytes": before["host_pinned_ahead_bytes"],
+        "first_pause_buffer_hits": after[f"pause_buffer_hits.{scope}"],
+        "first_pause_buffer_misses": after[f"pause_buffer_misses.{scope}"],
+        "first_pause_waits": after["host_pool_waits"] - before["host_pool_waits"],
+        "contents_intact": intact,
+    }
+    print(COLD_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+def run_cold(pin_ahead: bool, args, count: int) -> dict:
+    command = [sys.executable, __file__, "--cold-child", "on" if pin_ahead else "off"]
+    command += ["--gib", str(args.gib), "--tensors", str(count), "--reps", str(args.reps)]
+    command += ["--cold-wait-s", str(args.cold_wait_s)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    for line in done.stdout.splitlines():
+        if line.startswith(COLD_MARK):
+            return json.loads(line[len(COLD_MARK) :])
+    return {"unavailable": (done.stderr or done.stdout).strip().splitlines()[-1:]}
 
 
 def peer_child(variant: str, each: int, count: int, reps: int) -> int:
@@ -149,6 +205,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--peer", choices=("tms",), default=None)
     parser.add_argument("--peer-child", choices=("tms", "tms-retain"), help=argparse.SUPPRESS)
+    parser.add_argument("--cold-wait-s", type=float, default=3.0)
+    parser.add_argument("--cold", choices=("both", "on", "off", "none"), default="both")
+    parser.add_argument("--cold-child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -158,6 +217,8 @@ def main() -> int:
     total = each * count
     if args.peer_child:
         return peer_child(args.peer_child, each, count, args.reps)
+    if args.cold_child:
+        return cold_child(args.cold_child == "on", each, count, args.reps, args.cold_wait_s)
     name = torch.cuda.get_device_name()
     print(f"{name}: {count} x {each / GiB:.3f} GiB = {total / GiB:.2f} GiB, {args.reps} reps")
 
@@ -172,6 +233,13 @@ def main() -> int:
         for variant in ("tms", "tms-retain"):
             print(f"measuring torch_memory_saver ({variant}) in a child process ...", flush=True)
             peers[variant] = run_peer(variant, args, each, count)
+    cold = {}
+    if args.cold != "none":
+        torch.cuda.empty_cache()
+        tus.release_host_cache()  # the children pin their own
+        for setting in ("on", "off") if args.cold == "both" else (args.cold,):
+            print(f"measuring the cold start (pin ahead {setting}) in a child process ...")
+            cold[f"pin_ahead_{setting}"] = run_cold(setting == "on", args, count)
 
     pause_ratio = with_backup["pause"]["median_gbps"] / d2h["median_gbps"]
     resume_ratio = with_backup["resume"]["median_gbps"] / h2d["median_gbps"]
@@ -180,6 +248,11 @@ def main() -> int:
         "pause_with_backup_ratio>=0.85": pause_ratio >= 0.85,
         "resume_with_backup_ratio>=0.85": resume_ratio >= 0.85,
         "pause_without_backup_ms<=10": nobackup_pause_ms <= 10.0 if total >= 8 * GiB else None,
+        "cold_first_over_later<=1.5": (
+            cold["pin_ahead_on"]["first_over_later"] <= 1.5
+            if "first_over_later" in cold.get("pin_ahead_on", {})
+            else None
+        ),
     }
     result = {
         "benchmark": "pause_resume",
@@ -194,6 +267,7 @@ def main() -> int:
         "with_backup": with_backup,
         "without_backup": without_backup,
         "peers": peers,
+        "cold_start": cold,
         "ratios": {"pause_with_backup": pause_ratio, "resume_with_backup": resume_ratio},
         "targets": targets,
     }
@@ -238,9 +312,22 @@ def main() -> int:
         )
     print(
         f"cold (first) pause with backup {with_backup['cold_pause_s'] * 1e3:.0f} ms "
-        f"(allocates the pinned buffers), freed {with_backup['freed_bytes'] / GiB:.2f} GiB; "
+        f"(right after filling: pins what pinning ahead has not), "
+        f"freed {with_backup['freed_bytes'] / GiB:.2f} GiB; "
         f"contents intact: {with_backup['contents_intact']}"
     )
+    if cold:
+        print(f"\ncold start, first pause {args.cold_wait_s:g} s after filling the region:")
+        print(f"{'pin ahead':<12}{'first ms':>10}{'later ms':>10}{'first/later':>13}{'misses':>8}")
+        for setting, entry in cold.items():
+            if "unavailable" in entry:
+                print(f"{setting} unavailable: {entry['unavailable']}")
+                continue
+            print(
+                f"{setting.removeprefix('pin_ahead_'):<12}{entry['first_pause_s'] * 1e3:>10.1f}"
+                f"{entry['later_pauses']['median_s'] * 1e3:>10.1f}"
+                f"{entry['first_over_later']:>13.2f}{entry['first_pause_buffer_misses']:>8}"
+            )
     print(f"targets: {targets}")
     print(f"wrote {out}")
     return 0

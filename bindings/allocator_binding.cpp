@@ -253,6 +253,10 @@ void bind_allocator(py::module_& module) {
       .def("reset_peak", &Allocator::reset_peak, py::call_guard<py::gil_scoped_release>())
       .def("release_host_cache", &Allocator::release_host_cache,
            py::call_guard<py::gil_scoped_release>())
+      .def("wait_pin_ahead", &Allocator::wait_for_pin_ahead, py::arg("timeout") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
+           "Wait until the host pool has pinned every backup buffer it expects (or gave up "
+           "after a failure); False if `timeout` seconds passed first.")
       .def(
           "mem_get_info",
           [](Allocator& self) {

@@ -91,6 +91,9 @@ void bind_drivers(py::module_& module) {
            py::call_guard<py::gil_scoped_release>(),
            "While held, copies on the allocator's own streams stay in flight (Note [Held "
            "copies] in sim_driver.h): unmapping their memory fails, as it faults on a GPU.")
+      .def("set_host_alloc_delay", &SimDriver::set_host_alloc_delay, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Make every host_alloc_pinned take this long (tests of who waits for pinning).")
       .def_property_readonly("capacity", &SimDriver::capacity_bytes);
 }
 

@@ -5,6 +5,7 @@
 #include "allocator/errors.h"
 #include "allocator/region_config.h"
 #include "allocator/registry.h"
+#include "allocator/residency/host_buffer_pool.h"
 #include "bindings/bindings.h"
 #include "bindings/pluggable_entry.h"
 #include "bindings/region_args.h"
@@ -111,6 +112,11 @@ void bind_registry(py::module_& module) {
         return py::make_tuple(mode_name(region.mode), region.tag, region.cpu_backup, region.active);
       },
       "(mode, tag, cpu_backup, inside a region) of the calling thread.");
+  module.def("set_pin_ahead", &HostBufferPool::set_pin_ahead, py::arg("enabled").noconvert(),
+             "Pin backup buffers ahead of the first pause, every allocator (Note [Pinning "
+             "ahead] in host_buffer_pool.h).");
+  module.def("get_pin_ahead", &HostBufferPool::pin_ahead,
+             "Whether backup buffers are pinned ahead (TUS_PIN_AHEAD until set_pin_ahead).");
   module.def("managed_process_total", &ManagedResidency::process_total,
              "Managed bytes allocated by every allocator of the process (the guard's total).");
   module.def("last_malloc_error", &last_malloc_error,

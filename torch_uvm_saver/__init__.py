@@ -71,11 +71,13 @@ from .managed import (
 from .regions import disable, region
 from .residency import (
     get_cpu_backup,
+    get_pin_ahead,
     is_paused,
     pause,
     release_host_cache,
     resume,
     set_backup_policy,
+    set_pin_ahead,
 )
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
 from .tms_compat import torch_memory_saver
@@ -101,6 +103,7 @@ __all__ = [
     "get_headroom_lms",
     "get_limit_lms",
     "get_managed_limit",
+    "get_pin_ahead",
     "get_size_lms",
     "hook_mode",
     "is_managed",
@@ -132,6 +135,7 @@ __all__ = [
     "set_headroom_lms",
     "set_limit_lms",
     "set_managed_limit",
+    "set_pin_ahead",
     "set_prefetch_lms",
     "set_size_lms",
     "set_speculation_lms",

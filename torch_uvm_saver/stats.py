@@ -6,7 +6,11 @@ Keys are ``<name>.<scope>.<field>`` for gauges (fields ``current``, ``peak``, ``
 every scope: allocated memory is either resident on the device or paused. ``reserved_bytes`` is the
 device memory held from the driver. Byte counts are rounded to the driver's granularity (2 MiB on
 NVIDIA GPUs). The host pool keys (``host_pool_bytes.current``, ``host_pool_cached_bytes.current``,
-``host_pool_hits``, ``host_pool_misses``) describe the pinned buffers kept for backups.
+``host_pool_hits``, ``host_pool_misses``, ``host_pool_waits``) describe the pinned buffers kept
+for backups; ``host_pinned_ahead_bytes``, ``host_pin_ahead_failures`` and
+``host_pin_ahead_pending_bytes.current`` the ones pinned ahead of a first pause (``set_pin_ahead``),
+and the counters ``pause_buffer_hits`` / ``pause_buffer_misses`` how many buffers each scope's
+pauses found ready or had to pin themselves.
 
 Managed memory adds ``managed_bytes``, ``managed_device_bytes`` and ``managed_host_bytes`` (where
 our prefetches last placed it; its ``reserved_bytes`` are the device-placed ones),
@@ -89,7 +93,8 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
     lines.append(
         f"host pool: {format_bytes(stats['host_pool_bytes.current'])} pinned "
         f"({format_bytes(stats['host_pool_cached_bytes.current'])} idle), "
-        f"{stats['host_pool_hits']} reuses, {stats['host_pool_misses']} new buffers"
+        f"{stats['host_pool_hits']} reuses, {stats['host_pool_misses']} new buffers, "
+        f"{format_bytes(stats['host_pinned_ahead_bytes'])} pinned ahead"
     )
     if stats["managed_bytes.all.current"] or stats["prefetch_to_host_bytes.all"]:
         budget = stats["device_budget_bytes"]

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include "allocator/message.h"
 
 #include "allocator/errors.h"
@@ -353,9 +355,20 @@ void SimDriver::mem_free(int device, DevicePtr ptr) {
   plain_allocations_.erase(it);
 }
 
-void* SimDriver::host_alloc_pinned(int device, std::size_t size) {
+void SimDriver::set_host_alloc_delay(double seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
+  host_alloc_delay_s_ = seconds;
+}
+
+void* SimDriver::host_alloc_pinned(int device, std::size_t size) {
+  std::unique_lock<std::mutex> lock(mutex_);
   enter_locked("host_alloc_pinned", device);
+  if (host_alloc_delay_s_ > 0.0) {
+    const auto delay = std::chrono::duration<double>(host_alloc_delay_s_);
+    lock.unlock();
+    std::this_thread::sleep_for(delay);
+    lock.lock();
+  }
   void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (ptr == MAP_FAILED) fail("host_alloc_pinned", kOutOfMemoryCode, system_error("mmap"));
   pinned_[ptr] = size;

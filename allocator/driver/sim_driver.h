@@ -64,6 +64,9 @@ class SimDriver final : public Driver {
   void hold_events(bool held);
   // Note [Held copies].
   void hold_copies(bool held);
+  // host_alloc_pinned takes this long (outside the driver's lock, as a slow pin does not stop
+  // other calls), so tests can see who waits for pinning without timing real work.
+  void set_host_alloc_delay(double seconds);
 
   std::string name() const override { return "sim"; }
   int device_count() override;
@@ -146,6 +149,7 @@ class SimDriver final : public Driver {
   std::map<void*, std::size_t> pinned_;
   SimManagedSpace managed_;
   bool events_held_ = false;
+  double host_alloc_delay_s_ = 0.0;
   // Note [Held copies]
   struct CopyInFlight {
     StreamHandle stream;

@@ -37,25 +37,20 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
                             const BackupPolicy& policy, bool fenced) {
   if (!fenced) driver_.device_synchronize(device_);  // Note [Pause ordering]
 
-  // 1. Host buffers for every segment that keeps its contents. Failing here changes nothing.
+  // 1. For each segment that keeps its contents, a host buffer and then its copies, each copy
+  // followed by a mark. Buffers are taken one at a time so that the copies already queued run
+  // while the next buffer is pinned (Note [Pinning ahead] in host_buffer_pool.h). Failing here
+  // changes nothing: no chunk is released yet. 2. Unmap chunk by chunk as the marks pass.
   std::vector<Segment*> new_buffers;
-  try {
-    for (Segment* segment : segments) {
-      if (!segment->cpu_backup || !segment->has_mapped_chunk() || segment->backup) continue;
-      segment->backup = buffers_.acquire(segment->size, policy.pinned);
-      new_buffers.push_back(segment);
-    }
-  } catch (...) {
-    for (Segment* segment : new_buffers) drop_backup(*segment);
-    throw;
-  }
-
-  // 2. Queue every copy, each followed by a mark, then 3. unmap chunk by chunk as marks pass.
   std::unordered_map<const Chunk*, std::size_t> copy_done;
   copies_.reset_marks();
   try {
     for (Segment* segment : segments) {
       if (!segment->cpu_backup) continue;
+      if (segment->has_mapped_chunk() && !segment->backup) {
+        segment->backup = buffers_.acquire(segment->size, policy.pinned);
+        new_buffers.push_back(segment);
+      }
       for (Chunk& chunk : segment->chunks) {
         // A stale chunk's backup already holds the truth; copying would overwrite it.
         if (!chunk.mapped || chunk.stale) continue;
@@ -77,7 +72,7 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
       }
     }
   } catch (...) {
-    drain_quietly(copies_);
+    if (!copy_done.empty()) drain_quietly(copies_);  // (a failed first buffer queued nothing)
     // Segments that kept all their memory keep no half-written buffer (Note [Failure atomicity]).
     for (Segment* segment : new_buffers) {
       if (!segment->paused()) drop_backup(*segment);

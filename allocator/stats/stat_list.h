@@ -28,6 +28,8 @@
   X(num_pauses, "pauses of a tag that released memory (partly failed ones included)")     \
   X(num_resumes, "resumes of a tag that completed")                                       \
   X(pause_copy_bytes, "bytes copied device to host by pauses with backup")                \
+  X(pause_buffer_hits, "pinned backup buffers a pause found ready in the pool")           \
+  X(pause_buffer_misses, "pinned backup buffers a pause had to pin itself (slow)")        \
   X(resume_copy_bytes, "bytes copied host to device by resumes with backup")              \
   X(num_ooms, "allocations and resumes refused for lack of device memory")                \
   X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)") \

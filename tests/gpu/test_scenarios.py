@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from lms_scenarios import SCENARIOS as LMS_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
+from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
 
 HERE = Path(__file__).parent
@@ -21,6 +22,7 @@ CASES = (
     [("scenarios.py", name) for name in sorted(SCENARIOS)]
     + [("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)]
     + [("lms_scenarios.py", name) for name in sorted(LMS_SCENARIOS)]
+    + [("pin_ahead_scenarios.py", name) for name in sorted(PIN_AHEAD_SCENARIOS)]
 )
 
 

@@ -112,6 +112,16 @@ def consistent() -> Callable[[_C.Allocator], dict[str, float]]:
 
 
 @pytest.fixture
+def pin_ahead_off() -> Iterator[None]:
+    """Pinning ahead (Note [Pinning ahead]) off for one test: for tests of the pause's own pinning,
+    whose driver call counts and counted faults a background pin would shift."""
+    before = _C.get_pin_ahead()
+    _C.set_pin_ahead(False)
+    yield
+    _C.set_pin_ahead(before)
+
+
+@pytest.fixture
 def process() -> Iterator[tuple[_C.SimDriver, _C.Allocator]]:
     """A fresh SimDriver installed as the process driver (what the package's functions use);
     frees what the test left, and puts the managed limit and device budget back."""

@@ -416,7 +416,9 @@ def test_call_counts(driver: _C.SimDriver, allocator) -> None:
     assert driver.call_counts() == {}
 
 
-def test_wildcard_counts_calls_of_every_function(driver: _C.SimDriver, allocator) -> None:
+def test_wildcard_counts_calls_of_every_function(
+    driver: _C.SimDriver, allocator, pin_ahead_off
+) -> None:
     allocator.malloc(4 * MiB, tag="t", cpu_backup=True)
     # A pause calls device_synchronize, then host_alloc_pinned for the backup buffer.
     driver.fail_on("*", 2)
