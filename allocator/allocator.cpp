@@ -57,9 +57,10 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       device_backing_(*driver_, device),
       managed_(*driver_, device),
       host_buffers_(*driver_, device),
+      disk_(*driver_, device, host_buffers_),
       copies_(*driver_, device),
       inbound_copies_(*driver_, device),
-      pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_),
+      pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_, disk_),
       managed_residency_(*driver_, device, managed_, stats_),
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this) {
@@ -195,6 +196,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     stats_.for_scopes(segment.mode, segment.tag, [](ScopeStats& s) { ++s.num_free_failures; });
   }
   host_buffers_.release(segment.backup);
+  disk_.remove(segment);
   stats_.apply(segment.mode, segment.tag, before, Footprint{});
   segments_.erase(it);
 }
@@ -470,9 +472,11 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     state.paused = true;
     return 0;
   }
+  const std::size_t written_before = disk_.bytes_written();
   const ResidencyChange change =
       change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, vmm_, state.policy); });
   const std::exception_ptr& error = change.error;
+  const auto written = static_cast<std::int64_t>(disk_.bytes_written() - written_before);
   std::size_t released = 0;
   std::size_t copied = 0;
   bool any_paused = false;
@@ -489,6 +493,7 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     if (released > 0) ++scope.num_pauses;
     scope.pause_seconds += change.seconds;
     scope.pause_copy_bytes += static_cast<std::int64_t>(copied);
+    scope.disk_write_bytes += written;  // what reached the files, a failed pause's included
   });
   if (error) {
     rethrow_with_context(error, "pause(" + quoted(tag) + ") on device " + std::to_string(device_),
@@ -517,9 +522,13 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     state.paused = false;
     return 0;
   }
+  const std::size_t read_before = disk_.bytes_read();
   const ResidencyChange change = change_residency(
       stats_, tag, segments, [&] { pauser_.resume(segments, vmm_, state.policy); });
   const std::exception_ptr& error = change.error;
+  stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
+    scope.disk_read_bytes += static_cast<std::int64_t>(disk_.bytes_read() - read_before);
+  });
   if (error) {
     std::string suffix = " (nothing was resumed; the backups are intact";
     try {
@@ -551,6 +560,41 @@ BackupPolicy Allocator::backup_policy(const std::string& tag) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tags_.find(tag);
   return it == tags_.end() ? BackupPolicy{} : it->second.policy;
+}
+
+void Allocator::set_disk_backup_dir(const std::optional<std::string>& path) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_directory(path);
+}
+
+std::optional<std::string> Allocator::disk_backup_dir() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_.directory();
+}
+
+void Allocator::set_disk_backup_chunk_bytes(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_chunk_bytes(bytes);
+}
+
+std::size_t Allocator::disk_backup_chunk_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_.chunk_bytes();
+}
+
+void Allocator::set_disk_backup_settings(const DiskBackupSettings& settings) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_settings(settings);
+}
+
+void Allocator::fail_disk_io_on(const std::string& op, int nth, int error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.fail_on(op, nth, error);
+}
+
+void Allocator::clear_disk_faults() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.clear_faults();
 }
 
 std::optional<BackupView> Allocator::backup_of(DevicePtr ptr) const {

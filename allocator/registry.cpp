@@ -65,6 +65,7 @@ std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!owned_[device]) {
     owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
+    if (disk_settings_) owned_[device]->set_disk_backup_settings(*disk_settings_);
     fast_[device].store(owned_[device].get(), std::memory_order_release);
   }
   return owned_[device];
@@ -94,6 +95,35 @@ void Registry::install_driver(std::shared_ptr<Driver> driver, AllocatorOptions o
   }
   driver_ = std::move(driver);
   options_ = options;
+}
+
+void Registry::apply_disk_settings_locked() {
+  for (const auto& allocator : owned_) {
+    if (allocator) allocator->set_disk_backup_settings(*disk_settings_);
+  }
+}
+
+void Registry::set_disk_backup_dir(const std::optional<std::string>& path) {
+  const std::optional<std::string> checked =
+      path ? std::optional<std::string>(DiskBackupSettings::checked_directory(*path))
+           : std::nullopt;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!disk_settings_) disk_settings_ = DiskBackupSettings::from_environment();
+  disk_settings_->directory = checked;
+  apply_disk_settings_locked();
+}
+
+void Registry::set_disk_backup_chunk_bytes(std::size_t bytes) {
+  const std::size_t checked = DiskBackupSettings::checked_chunk_bytes(bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!disk_settings_) disk_settings_ = DiskBackupSettings::from_environment();
+  disk_settings_->chunk_bytes = checked;
+  apply_disk_settings_locked();
+}
+
+DiskBackupSettings Registry::disk_backup_settings() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_settings_ ? *disk_settings_ : DiskBackupSettings::from_environment();
 }
 
 void Registry::enable_global_hook(const RegionConfig& default_region) {

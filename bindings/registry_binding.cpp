@@ -22,6 +22,24 @@ void bind_registry(py::module_& module) {
       "Process allocators created so far.");
   module.def("get_driver", [] { return Registry::instance().driver(); });
   module.def(
+      "set_disk_backup_dir",
+      [](const std::optional<std::string>& path) {
+        Registry::instance().set_disk_backup_dir(path);
+      },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+      "Directory of every allocator's disk backups, now and later (None unsets it).");
+  module.def(
+      "disk_backup_dir", [] { return Registry::instance().disk_backup_settings().directory; },
+      py::call_guard<py::gil_scoped_release>());
+  module.def(
+      "set_disk_backup_chunk_bytes",
+      [](std::size_t bytes) { Registry::instance().set_disk_backup_chunk_bytes(bytes); },
+      py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
+  module.def(
+      "disk_backup_chunk_bytes",
+      [] { return Registry::instance().disk_backup_settings().chunk_bytes; },
+      py::call_guard<py::gil_scoped_release>());
+  module.def(
       "install_driver",
       [](std::shared_ptr<Driver> driver, std::size_t chunk_bytes) {
         Registry::instance().install_driver(std::move(driver), AllocatorOptions{chunk_bytes});
