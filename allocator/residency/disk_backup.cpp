@@ -169,7 +169,8 @@ void DiskBackup::set_chunk_bytes(std::size_t bytes) {
   settings_.chunk_bytes = DiskBackupSettings::checked_chunk_bytes(bytes);
 }
 
-void DiskBackup::check_ready(std::size_t bytes) const {
+void DiskBackup::check_ready(std::size_t bytes) {
+  reaper_.settle();  // files removed earlier are gone, and their room counts as free
   if (!settings_.directory) {
     TUS_THROW(InvalidState,
               "the tag's backup policy keeps paused memory on disk, but no "
@@ -246,10 +247,7 @@ EventHandle DiskBackup::event(int index) {
 
 void DiskBackup::remove(Segment& segment) noexcept {
   if (segment.disk_file.empty()) return;
-  if (unlink(segment.disk_file.c_str()) != 0 && errno != ENOENT) {
-    log_once("disk_backup_remove", "disk backup: could not remove " + quoted(segment.disk_file) +
-                                       ": " + error_text(errno));
-  }
+  reaper_.remove_later(segment.disk_file);
   segment.disk_file.clear();
 }
 

@@ -10,7 +10,8 @@
 // "tus-<pid>-dev<device>-<segment address>.bin": two processes differ in pid, two devices of one
 // process in the device, two live segments of one device in their address; it is removed when its
 // segment is resumed (unless the tag retains its backup, then it is rewritten in place by the
-// next pause, so disk usage never grows over cycles) and when its segment is freed.
+// next pause, so disk usage never grows over cycles) and when its segment is freed. Removal
+// renames at once and unlinks in the background (file_reaper.h); the next pause waits for it.
 //
 // Note [Disk pipeline]
 //  pause: the segments' resident bytes are cut into pieces of chunk_bytes. The copy of piece k+1
@@ -48,6 +49,7 @@
 
 #include "allocator/driver/driver.h"
 #include "allocator/residency/copy_engine.h"
+#include "allocator/residency/file_reaper.h"
 #include "allocator/residency/host_buffer_pool.h"
 #include "allocator/segment.h"
 
@@ -88,8 +90,8 @@ class DiskBackup {
   const DiskBackupSettings& settings() const { return settings_; }
 
   // Before anything changes: a directory is set, exists, is writable and has `bytes` free.
-  // Throws InvalidState naming the directory and why.
-  void check_ready(std::size_t bytes) const;
+  // Throws InvalidState naming the directory and why. Waits for earlier removals first.
+  void check_ready(std::size_t bytes);
   // Bytes a save() of `segment` writes, and of those the ones a new file needs room for.
   static std::size_t bytes_to_write(const Segment& segment);
   std::size_t new_file_bytes(const Segment& segment) const;
@@ -104,7 +106,8 @@ class DiskBackup {
   // Reads each (mapped) chunk from its segment's file and copies it to the device; returns once
   // the copies are done. Throws IoError; the file is kept either way.
   void load(const std::vector<std::pair<Segment*, Chunk*>>& chunks, CopyEngine& copies);
-  // Removes the segment's file, if any. Never throws (a failure is logged once).
+  // Removes the segment's file, if any: gone from the directory at once, its blocks freed in
+  // the background (file_reaper.h). Never throws (a failure is logged once).
   void remove(Segment& segment) noexcept;
 
   // Fault injection in the real IO path: the `nth` (1-based) "open", "write", "sync" or "read"
@@ -151,6 +154,7 @@ class DiskBackup {
   std::vector<Fault> faults_;
   std::size_t bytes_written_ = 0;
   std::size_t bytes_read_ = 0;
+  FileReaper reaper_;
 };
 
 }  // namespace tus
