@@ -57,9 +57,10 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       device_backing_(*driver_, device),
       managed_(*driver_, device),
       host_buffers_(*driver_, device),
+      disk_(*driver_, device, host_buffers_),
       copies_(*driver_, device),
       inbound_copies_(*driver_, device),
-      pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_),
+      pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_, disk_),
       managed_residency_(*driver_, device, managed_, stats_),
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this) {
@@ -127,7 +128,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   segment->size = backing.rounded_size(size);
   segment->mode = region.mode;
   segment->tag = region.tag;
-  segment->cpu_backup = region.cpu_backup;
+  segment->cpu_backup = region.cpu_backup || region.disk_backup;
   segment->lms.managed = region.mode == Mode::kLms && lms_on_managed_;
   if (segment->on_managed_memory()) {
     segment->managed.advice = region.advice;
@@ -138,8 +139,11 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     managed_residency_.check_guard(segment->size, region.tag);
   }
   TagState& tag_state = tag_state_locked(region.tag);  // a tag exists from its first allocation
-  if (region.cpu_backup && region.host_backup != HostBackup::kTagPolicy) {
+  if (region.disk_backup) {
+    tag_state.policy.disk = true;
+  } else if (region.cpu_backup && region.host_backup != HostBackup::kTagPolicy) {
     tag_state.policy.pinned = region.host_backup == HostBackup::kPinned;
+    tag_state.policy.disk = false;
   }
   if (region.mode == Mode::kLms) make_room_for_lms_locked(segment->size, region.tag);
   try {
@@ -223,6 +227,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
   }
   stop_expecting_locked(segment);  // its buffer, if ready, stays in the pool for the next one
   host_buffers_.release(segment.backup);
+  disk_.remove(segment);
   stats_.apply(segment.mode, segment.tag, before, Footprint{});
   segments_.erase(it);
 }
@@ -519,11 +524,13 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
   // The pause asks the pool now: the worker need not prepare more for these (Note [Pinning ahead]).
   for (Segment* segment : segments) stop_expecting_locked(*segment);
   const HostPoolCounters pool_before = host_buffers_.counters();
+  const std::size_t written_before = disk_.bytes_written();
   const ResidencyChange change =
       change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, vmm_, state.policy); });
   const HostPoolCounters pool_after = host_buffers_.counters();
   for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);  // those it left
   const std::exception_ptr& error = change.error;
+  const auto written = static_cast<std::int64_t>(disk_.bytes_written() - written_before);
   std::size_t released = 0;
   std::size_t copied = 0;
   bool any_paused = false;
@@ -542,6 +549,7 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     scope.pause_copy_bytes += static_cast<std::int64_t>(copied);
     scope.pause_buffer_hits += pool_after.hits - pool_before.hits;
     scope.pause_buffer_misses += pool_after.misses - pool_before.misses;
+    scope.disk_write_bytes += written;  // what reached the files, a failed pause's included
   });
   if (error) {
     rethrow_with_context(error, "pause(" + quoted(tag) + ") on device " + std::to_string(device_),
@@ -570,11 +578,15 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     state.paused = false;
     return 0;
   }
+  const std::size_t read_before = disk_.bytes_read();
   const ResidencyChange change = change_residency(
       stats_, tag, segments, [&] { pauser_.resume(segments, vmm_, state.policy); });
   // A buffer given back at resume is the one the next pause will find (Note [Pinning ahead]).
   for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);
   const std::exception_ptr& error = change.error;
+  stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
+    scope.disk_read_bytes += static_cast<std::int64_t>(disk_.bytes_read() - read_before);
+  });
   if (error) {
     std::string suffix = " (nothing was resumed; the backups are intact";
     try {
@@ -609,6 +621,41 @@ BackupPolicy Allocator::backup_policy(const std::string& tag) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tags_.find(tag);
   return it == tags_.end() ? default_policy_ : it->second.policy;
+}
+
+void Allocator::set_disk_backup_dir(const std::optional<std::string>& path) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_directory(path);
+}
+
+std::optional<std::string> Allocator::disk_backup_dir() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_.directory();
+}
+
+void Allocator::set_disk_backup_chunk_bytes(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_chunk_bytes(bytes);
+}
+
+std::size_t Allocator::disk_backup_chunk_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_.chunk_bytes();
+}
+
+void Allocator::set_disk_backup_settings(const DiskBackupSettings& settings) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.set_settings(settings);
+}
+
+void Allocator::fail_disk_io_on(const std::string& op, int nth, int error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.fail_on(op, nth, error);
+}
+
+void Allocator::clear_disk_faults() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  disk_.clear_faults();
 }
 
 std::optional<BackupView> Allocator::backup_of(DevicePtr ptr) const {

@@ -13,7 +13,8 @@
 //    ManagedResidency (residency/managed_residency.h).
 //  - pause(tag) synchronizes the device, copies the tag's segments that asked for a CPU backup to
 //    pooled host buffers, and unmaps and releases their physical memory; addresses stay reserved.
-//    resume(tag) maps fresh memory at the same addresses and copies the backups back.
+//    resume(tag) maps fresh memory at the same addresses and copies the backups back. A tag whose
+//    policy has `disk` keeps its backups in files instead (residency/disk_backup.h).
 //  - Statistics are derived: every change to a segment is bracketed by two footprints whose
 //    difference is applied to the "all", mode and tag scopes.
 //
@@ -38,6 +39,7 @@
 #include "allocator/driver/driver.h"
 #include "allocator/region_config.h"
 #include "allocator/residency/copy_engine.h"
+#include "allocator/residency/disk_backup.h"
 #include "allocator/residency/host_buffer_pool.h"
 #include "allocator/residency/lms_residency.h"
 #include "allocator/residency/managed_residency.h"
@@ -153,6 +155,16 @@ class Allocator final : private SegmentSource {
   // True when `ptr` is the base address of a segment this allocator handed out (the preload
   // hook's cudaFree asks before forwarding a pointer to CUDA).
   bool owns(DevicePtr ptr) const;
+  // Disk backup (residency/disk_backup.h): the checked setters raise InvalidArgument; the
+  // settings as a whole are how the Registry hands its process-wide ones to each allocator.
+  void set_disk_backup_dir(const std::optional<std::string>& path);
+  std::optional<std::string> disk_backup_dir() const;
+  void set_disk_backup_chunk_bytes(std::size_t bytes);
+  std::size_t disk_backup_chunk_bytes() const;
+  void set_disk_backup_settings(const DiskBackupSettings& settings);
+  // DiskBackup::fail_on, for tests of IO failures.
+  void fail_disk_io_on(const std::string& op, int nth, int error);
+  void clear_disk_faults();
 
   std::optional<BackupView> backup_of(DevicePtr ptr) const;
   bool knows_tag(const std::string& tag) const;
@@ -217,6 +229,7 @@ class Allocator final : private SegmentSource {
   DeviceBacking device_backing_;
   ManagedBacking managed_;
   HostBufferPool host_buffers_;
+  DiskBackup disk_;
   CopyEngine copies_;          // pause/resume and page-outs
   CopyEngine inbound_copies_;  // page-ins, so both directions of the link are used at once
   PauseController pauser_;

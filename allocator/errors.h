@@ -41,6 +41,17 @@ class InvalidState : public Error {
   using Error::Error;
 };
 
+// A file operation failed (disk backup). `code` is the errno; the message names the path, the
+// operation and the bytes done.
+class IoError : public Error {
+ public:
+  IoError(const std::string& what, int code) : Error(what), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
 // Builds "file:line: message" so every error says where it was raised.
 inline std::string located(const char* file, int line, const std::string& message) {
   std::string path(file);
@@ -79,6 +90,8 @@ namespace tus {
     throw InvalidArgument(context + ": " + e.what() + suffix);
   } catch (const InvalidState& e) {
     throw InvalidState(context + ": " + e.what() + suffix);
+  } catch (const IoError& e) {
+    throw IoError(context + ": " + e.what() + suffix, e.code());
   } catch (const std::exception& e) {
     throw Error(context + ": " + e.what() + suffix);
   }

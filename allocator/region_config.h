@@ -38,6 +38,9 @@ struct RegionConfig {
   std::string tag = "default";
   bool cpu_backup = false;  // segments allocated here keep their bytes across a pause
   HostBackup host_backup = HostBackup::kTagPolicy;
+  // torch_memory_saver's enable_disk_backup: segments keep their bytes across a pause, in files
+  // (the tag's policy becomes disk). Either flag makes a segment backed.
+  bool disk_backup = false;
   ManagedAdvice advice;  // mode kManaged only
   // False outside every region: the global hook then uses the process default (Registry).
   bool active = false;

@@ -66,6 +66,7 @@ std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
   if (!owned_[device]) {
     owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
     owned_[device]->set_default_backup_policy(default_policy_);
+    if (disk_settings_) owned_[device]->set_disk_backup_settings(*disk_settings_);
     fast_[device].store(owned_[device].get(), std::memory_order_release);
   }
   return owned_[device];
@@ -104,8 +105,8 @@ void Registry::check_memory_margin(int device, std::size_t size) {
   if (info.free_bytes >= margin && info.free_bytes - margin >= size) return;
   TUS_THROW(OutOfMemory, "allocating " << format_bytes(size) << " on device " << device
                                        << " would leave less than the memory margin of "
-                                       << format_bytes(margin) << " free (" << format_bytes(info.free_bytes)
-                                       << " free)");
+                                       << format_bytes(margin) << " free ("
+                                       << format_bytes(info.free_bytes) << " free)");
 }
 
 Allocator* Registry::owner_of(DevicePtr ptr) {
@@ -127,6 +128,35 @@ void Registry::set_default_backup_policy(const BackupPolicy& policy) {
 BackupPolicy Registry::default_backup_policy() {
   std::lock_guard<std::mutex> lock(mutex_);
   return default_policy_;
+}
+
+void Registry::apply_disk_settings_locked() {
+  for (const auto& allocator : owned_) {
+    if (allocator) allocator->set_disk_backup_settings(*disk_settings_);
+  }
+}
+
+void Registry::set_disk_backup_dir(const std::optional<std::string>& path) {
+  const std::optional<std::string> checked =
+      path ? std::optional<std::string>(DiskBackupSettings::checked_directory(*path))
+           : std::nullopt;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!disk_settings_) disk_settings_ = DiskBackupSettings::from_environment();
+  disk_settings_->directory = checked;
+  apply_disk_settings_locked();
+}
+
+void Registry::set_disk_backup_chunk_bytes(std::size_t bytes) {
+  const std::size_t checked = DiskBackupSettings::checked_chunk_bytes(bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!disk_settings_) disk_settings_ = DiskBackupSettings::from_environment();
+  disk_settings_->chunk_bytes = checked;
+  apply_disk_settings_locked();
+}
+
+DiskBackupSettings Registry::disk_backup_settings() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return disk_settings_ ? *disk_settings_ : DiskBackupSettings::from_environment();
 }
 
 void Registry::enable_global_hook(const RegionConfig& default_region) {

@@ -8,6 +8,11 @@
 //  arriving at any point of process exit finds them intact, and a driver that is already shut
 //  down is tolerated by Allocator::free. The operating system takes the memory back.
 //
+// Disk backup settings are process-wide here (torch_memory_saver's set_disk_backup_dir is, and a
+// process writes its files to one place whatever the device): set_disk_backup_dir checks the
+// path once and hands it to every allocator, existing and created later. Each Allocator keeps its
+// own copy, so allocators made outside the registry (tests) can point elsewhere.
+//
 // The driver is chosen on first use from TUS_DRIVER: "cuda" (default) or "sim" (the simulated
 // driver; capacity from TUS_SIM_CAPACITY bytes, default 16 GiB, devices from TUS_SIM_DEVICES).
 #pragma once
@@ -16,6 +21,8 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "allocator/allocator.h"
@@ -56,6 +63,12 @@ class Registry {
   // Throws OutOfMemory when `size` more bytes would break the margin.
   void check_memory_margin(int device, std::size_t size);
 
+  // Disk backup (residency/disk_backup.h); InvalidArgument for a path that is not a writable
+  // directory or a bad chunk size. Until set, the environment's (TUS_/TMS_DISK_BACKUP_*) apply.
+  void set_disk_backup_dir(const std::optional<std::string>& path);
+  void set_disk_backup_chunk_bytes(std::size_t bytes);
+  DiskBackupSettings disk_backup_settings();
+
   // The global hook mode: PyTorch hands every CUDA allocation to the extern "C" entry points,
   // which serve it from the allocators' block caches, in the calling thread's region or, outside
   // regions, in `default_region`. Set once per process (PyTorch cannot swap its allocator back);
@@ -68,10 +81,12 @@ class Registry {
  private:
   Registry() = default;
   std::shared_ptr<Driver> driver_locked();
+  void apply_disk_settings_locked();
 
   std::mutex mutex_;
   std::shared_ptr<Driver> driver_;
   AllocatorOptions options_;
+  std::optional<DiskBackupSettings> disk_settings_;  // set by the setters; else each allocator's
   std::array<std::shared_ptr<Allocator>, kMaxDevices> owned_;
   std::array<std::atomic<Allocator*>, kMaxDevices> fast_ = {};
   // Allocators replaced by install_driver stay alive: a pointer to one may still be in use.

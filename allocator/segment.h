@@ -21,7 +21,7 @@ struct Chunk {
   std::size_t size = 0;    // a multiple of the driver's granularity
   PhysHandle handle = 0;   // 0 while no physical memory is created for the chunk
   bool mapped = false;     // physical memory is mapped and accessible at ptr + offset
-  bool backed_up = false;  // the segment's host backup holds this chunk's bytes (as of its pause)
+  bool backed_up = false;  // the segment's backup (host buffer or file) holds this chunk's bytes
   // Mapped, but its contents are not the chunk's: a failed resume could not unmap the memory it
   // had mapped (Note [Failure atomicity]). The backup, if any, holds the truth; the chunk counts as
   // paused until a resume restores it or a pause releases it.
@@ -82,8 +82,11 @@ struct Segment {
   bool cpu_backup = false;    // pause copies the contents to the host and resume restores them
   std::vector<Chunk> chunks;  // VMM segments only; a `device` segment is always resident
   HostBuffer backup;          // held while paused with backup, or retained after resume
-  ManagedState managed;       // mode kManaged only
-  LmsLinks lms;               // mode kLms only
+  // The segment's backup file (residency/disk_backup.h) while it exists: paused with a disk
+  // policy, or retained after resume. Empty otherwise.
+  std::string disk_file;
+  ManagedState managed;  // mode kManaged only
+  LmsLinks lms;          // mode kLms only
   // Note [Pinning ahead] in host_buffer_pool.h: allocated with pinning ahead on, for a pinned
   // backup; `pin_ahead_expected` while the host pool counts it among the buffers to have ready.
   bool pin_ahead = false;
@@ -111,6 +114,14 @@ struct Segment {
     return mode == Mode::kManaged || (mode == Mode::kLms && lms.managed);
   }
   bool has_mapped_chunk() const { return mapped_bytes() > 0; }
+  // Some chunk's only copy of its bytes is in the backup (unmapped, or mapped but stale): the
+  // backup must be kept, and a pause must add to it rather than start a new one.
+  bool backup_needed() const {
+    for (const Chunk& chunk : chunks) {
+      if (chunk.backed_up && (!chunk.mapped || chunk.stale)) return true;
+    }
+    return false;
+  }
 };
 
 }  // namespace tus

@@ -206,11 +206,11 @@ void bind_allocator(py::module_& module) {
           "Map memory again under `tag` (every tag if None); returns bytes mapped.")
       .def(
           "set_backup_policy",
-          [](Allocator& self, const std::string& tag, bool retain, bool pinned) {
-            self.set_backup_policy(tag, BackupPolicy{retain, pinned});
+          [](Allocator& self, const std::string& tag, bool retain, bool pinned, bool disk) {
+            self.set_backup_policy(tag, BackupPolicy{retain, pinned, disk});
           },
           py::arg("tag"), py::arg("retain") = false, py::arg("pinned") = true,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("disk") = false, py::call_guard<py::gil_scoped_release>())
       .def("backup_policy",
            [](const Allocator& self, const std::string& tag) {
              BackupPolicy policy;
@@ -221,8 +221,22 @@ void bind_allocator(py::module_& module) {
              py::dict out;
              out["retain"] = policy.retain;
              out["pinned"] = policy.pinned;
+             out["disk"] = policy.disk;
              return out;
            })
+      .def("set_disk_backup_dir", &Allocator::set_disk_backup_dir, py::arg("path"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Directory of this allocator's disk backups (None unsets it).")
+      .def("disk_backup_dir", &Allocator::disk_backup_dir, py::call_guard<py::gil_scoped_release>())
+      .def("set_disk_backup_chunk_bytes", &Allocator::set_disk_backup_chunk_bytes, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("disk_backup_chunk_bytes", &Allocator::disk_backup_chunk_bytes,
+           py::call_guard<py::gil_scoped_release>())
+      .def("fail_disk_io_on", &Allocator::fail_disk_io_on, py::arg("op"), py::arg("nth"),
+           py::arg("error"), py::call_guard<py::gil_scoped_release>(),
+           "Make the nth 'open', 'write', 'sync' or 'read' of disk backup fail with errno `error`.")
+      .def("clear_disk_faults", &Allocator::clear_disk_faults,
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "backup_of",
           [](const Allocator& self, std::uintptr_t ptr) -> std::optional<py::tuple> {

@@ -63,7 +63,10 @@ void apply_preload_environment() {
   apply_backup_environment();
   RegionConfig region;
   region.active = env_flag("TUS_PRELOAD_ENABLE", "TMS_INIT_ENABLE").value_or(false);
-  region.cpu_backup = env_flag("TUS_PRELOAD_CPU_BACKUP", "TMS_INIT_ENABLE_CPU_BACKUP").value_or(false);
+  region.cpu_backup =
+      env_flag("TUS_PRELOAD_CPU_BACKUP", "TMS_INIT_ENABLE_CPU_BACKUP").value_or(false);
+  region.disk_backup =
+      env_flag("TUS_PRELOAD_DISK_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP").value_or(false);
   if (const char* tag = std::getenv("TUS_PRELOAD_TAG"); tag != nullptr && *tag != '\0') {
     region.tag = tag;
   }

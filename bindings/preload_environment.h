@@ -10,6 +10,8 @@
 //    TUS_PRELOAD_ENABLE      / TMS_INIT_ENABLE             every thread starts inside a region
 //    TUS_PRELOAD_TAG                                       its tag (default "default")
 //    TUS_PRELOAD_CPU_BACKUP  / TMS_INIT_ENABLE_CPU_BACKUP  ... with CPU backup
+//    TUS_PRELOAD_DISK_BACKUP / TMS_INIT_ENABLE_DISK_BACKUP ... with disk backup (the directory:
+//                              TUS_/TMS_DISK_BACKUP_DIR, residency/disk_backup.h)
 //    TUS_CPU_BACKUP_BACKEND  / TMS_INIT_CPU_BACKUP_BACKEND "pinned" (default) or "mmap" (pageable)
 //    TUS_RETAIN_CPU_BACKUP   / TMS_RETAIN_CPU_BACKUP       backups are kept after resume
 //  The backend and retain settings are process defaults for every tag (torch hook mode reads them

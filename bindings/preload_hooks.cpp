@@ -18,10 +18,10 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <exception>
 #include <string>
 
@@ -136,8 +136,9 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   if (region.active) return allocate_in_region(ptr, size, region);
   const MallocFunction forward = runtime_malloc();
   if (forward == nullptr) {
-    tus::log_once("no runtime malloc", "preload hook: cudaMalloc outside a region, and the CUDA "
-                                       "runtime's cudaMalloc is not loaded in this process");
+    tus::log_once("no runtime malloc",
+                  "preload hook: cudaMalloc outside a region, and the CUDA "
+                  "runtime's cudaMalloc is not loaded in this process");
     return cudaErrorInitializationError;
   }
   return forward(ptr, size);
@@ -158,8 +159,9 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
   }
   const FreeFunction forward = runtime_free();
   if (forward == nullptr) {
-    tus::log_once("no runtime free", "preload hook: cudaFree of memory that is not ours, and the "
-                                     "CUDA runtime's cudaFree is not loaded in this process");
+    tus::log_once("no runtime free",
+                  "preload hook: cudaFree of memory that is not ours, and the "
+                  "CUDA runtime's cudaFree is not loaded in this process");
     return cudaErrorInitializationError;
   }
   return forward(ptr);

@@ -23,6 +23,24 @@ void bind_registry(py::module_& module) {
       "Process allocators created so far.");
   module.def("get_driver", [] { return Registry::instance().driver(); });
   module.def(
+      "set_disk_backup_dir",
+      [](const std::optional<std::string>& path) {
+        Registry::instance().set_disk_backup_dir(path);
+      },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+      "Directory of every allocator's disk backups, now and later (None unsets it).");
+  module.def(
+      "disk_backup_dir", [] { return Registry::instance().disk_backup_settings().directory; },
+      py::call_guard<py::gil_scoped_release>());
+  module.def(
+      "set_disk_backup_chunk_bytes",
+      [](std::size_t bytes) { Registry::instance().set_disk_backup_chunk_bytes(bytes); },
+      py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
+  module.def(
+      "disk_backup_chunk_bytes",
+      [] { return Registry::instance().disk_backup_settings().chunk_bytes; },
+      py::call_guard<py::gil_scoped_release>());
+  module.def(
       "install_driver",
       [](std::shared_ptr<Driver> driver, std::size_t chunk_bytes) {
         Registry::instance().install_driver(std::move(driver), AllocatorOptions{chunk_bytes});
@@ -52,13 +70,13 @@ void bind_registry(py::module_& module) {
   module.def(
       "set_thread_host_backup",
       [](const std::optional<std::string>& backend) {
-        thread_region().host_backup = !backend           ? HostBackup::kTagPolicy
+        thread_region().host_backup = !backend               ? HostBackup::kTagPolicy
                                       : *backend == "pinned" ? HostBackup::kPinned
                                       : *backend == "mmap"   ? HostBackup::kPageable
                                                              : throw InvalidArgument(
-                                                                 "cpu_backup_backend is 'pinned', "
-                                                                 "'mmap' or None, got '" +
-                                                                 *backend + "'");
+                                                                   "cpu_backup_backend is 'pinned', "
+                                                                   "'mmap' or None, got '" +
+                                                                   *backend + "'");
       },
       py::arg("backend"),
       "Where the calling thread's backed allocations keep their backup: 'pinned', 'mmap' "
@@ -83,8 +101,8 @@ void bind_registry(py::module_& module) {
       },
       "(retain, pinned) of the policy new tags start with.");
   module.def(
-      "set_memory_margin",
-      [](std::size_t bytes) { Registry::instance().set_memory_margin(bytes); }, py::arg("bytes"),
+      "set_memory_margin", [](std::size_t bytes) { Registry::instance().set_memory_margin(bytes); },
+      py::arg("bytes"),
       "Refuse hooked allocations that would leave less than `bytes` free on the device.");
   module.def(
       "clear_thread_region", [] { thread_region() = RegionConfig{}; },

@@ -78,6 +78,22 @@ TUS_C_API const char* tms_get_cpu_backup_backend() {
   return place == tus::HostBackup::kPinned ? "pinned" : "mmap";
 }
 
+TUS_C_API void tms_set_enable_disk_backup(bool enabled) {
+  tus::thread_region().disk_backup = enabled;
+}
+
+TUS_C_API bool tms_get_enable_disk_backup() { return tus::thread_region().disk_backup; }
+
+// An unusable directory is reported and leaves the setting as it was.
+TUS_C_API void tms_set_disk_backup_dir(const char* path) {
+  try {
+    tus::Registry::instance().set_disk_backup_dir(
+        path != nullptr && *path != '\0' ? std::optional<std::string>(path) : std::nullopt);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "[torch_uvm_saver] tms_set_disk_backup_dir: %s\n", error.what());
+  }
+}
+
 TUS_C_API void set_memory_margin_bytes(std::uint64_t bytes) {
   tus::Registry::instance().set_memory_margin(static_cast<std::size_t>(bytes));
 }

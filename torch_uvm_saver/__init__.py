@@ -71,12 +71,16 @@ from .managed import (
 from .regions import disable, region
 from .residency import (
     get_cpu_backup,
+    get_disk_backup_chunk_bytes,
+    get_disk_backup_dir,
     get_pin_ahead,
     is_paused,
     pause,
     release_host_cache,
     resume,
     set_backup_policy,
+    set_disk_backup_chunk_bytes,
+    set_disk_backup_dir,
     set_pin_ahead,
 )
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
@@ -98,6 +102,8 @@ __all__ = [
     "get_backing_lms",
     "get_cpu_backup",
     "get_device_budget",
+    "get_disk_backup_chunk_bytes",
+    "get_disk_backup_dir",
     "get_enabled_lms",
     "get_enabled_uvm",
     "get_headroom_lms",
@@ -130,6 +136,8 @@ __all__ = [
     "set_backing_lms",
     "set_backup_policy",
     "set_device_budget",
+    "set_disk_backup_chunk_bytes",
+    "set_disk_backup_dir",
     "set_enabled_lms",
     "set_enabled_uvm",
     "set_headroom_lms",

@@ -5,11 +5,16 @@ CPU backup into pooled pinned host buffers, then unmaps and releases the physica
 virtual addresses stay reserved, so every tensor keeps its ``data_ptr()``. ``resume(tag)`` maps
 fresh memory at the same addresses and copies the backups back; it returns once the bytes are
 visible to every stream. Both are idempotent per tag.
+
+With ``set_backup_policy(tag, disk=True)`` the backups go to one file per segment under the
+directory set with ``set_disk_backup_dir`` (or ``TUS_DISK_BACKUP_DIR`` / ``TMS_DISK_BACKUP_DIR``)
+instead of host memory; only two small pinned staging buffers are used while pausing/resuming.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import torch
@@ -20,16 +25,20 @@ from .errors import InvalidArgumentError
 
 __all__ = [
     "get_cpu_backup",
+    "get_disk_backup_chunk_bytes",
+    "get_disk_backup_dir",
     "get_pin_ahead",
     "is_paused",
     "pause",
     "release_host_cache",
     "resume",
     "set_backup_policy",
+    "set_disk_backup_chunk_bytes",
+    "set_disk_backup_dir",
     "set_pin_ahead",
 ]
 
-_policies: dict[str, tuple[bool, bool]] = {}  # tag -> (retain, pinned)
+_policies: dict[str, tuple[bool, bool, bool]] = {}  # tag -> (retain, pinned, disk)
 _policies_lock = threading.Lock()
 
 
@@ -82,19 +91,26 @@ def is_paused(tag: str) -> bool:
     return any(allocator.is_paused(tag) for allocator in _owners(tag, "is_paused"))
 
 
-def set_backup_policy(tag: str, *, retain: bool = False, pinned: bool = True) -> None:
+def set_backup_policy(
+    tag: str, *, retain: bool = False, pinned: bool = True, disk: bool = False
+) -> None:
     """How ``tag``'s CPU backups are kept (for memory allocated with ``enable_cpu_backup``).
 
     Args:
         retain: keep the host copy after ``resume`` (``get_cpu_backup`` can read it, and the next
             pause reuses the buffer). By default the buffer goes back to the pool at resume.
+            With ``disk``: keep the file, rewritten in place by the next pause.
         pinned: back up into pooled pinned memory (full link speed; the pool keeps the memory
             for the next pause, ``release_host_cache()`` frees it). ``False`` uses pageable
             memory that goes back to the operating system at resume, at a lower copy speed.
+        disk: back up into one file per segment under ``get_disk_backup_dir()`` instead of host
+            memory (``pinned`` does not apply). ``pause`` raises before changing anything when
+            no directory is set or it is not writable or full; a write error part way leaves the
+            segment being written on the device. ``get_cpu_backup`` returns None for these.
     """
     _native.check_tag(tag)
     with _policies_lock:
-        _policies[tag] = (bool(retain), bool(pinned))
+        _policies[tag] = (bool(retain), bool(pinned), bool(disk))
     for allocator in _native.allocators():
         apply_backup_policy(allocator, tag)
 
@@ -103,7 +119,33 @@ def apply_backup_policy(allocator: _C.Allocator, tag: str) -> None:
     with _policies_lock:
         policy = _policies.get(tag)
     if policy is not None:
-        allocator.set_backup_policy(tag, retain=policy[0], pinned=policy[1])
+        allocator.set_backup_policy(tag, retain=policy[0], pinned=policy[1], disk=policy[2])
+
+
+def set_disk_backup_dir(path: str | os.PathLike[str] | None) -> None:
+    """Directory for disk backups (``set_backup_policy(tag, disk=True)``), for every device of the
+    process; ``None`` unsets it. It must exist and be writable (``InvalidArgumentError``
+    otherwise). Files are named ``tus-<pid>-dev<device>-<address>.bin`` and removed at resume.
+    The default comes from ``TUS_DISK_BACKUP_DIR``, else ``TMS_DISK_BACKUP_DIR``.
+    """
+    _C.set_disk_backup_dir(None if path is None else os.fspath(path))
+
+
+def get_disk_backup_dir() -> str | None:
+    """The disk-backup directory (absolute), or None when none is set."""
+    return _C.disk_backup_dir()
+
+
+def set_disk_backup_chunk_bytes(nbytes: int) -> None:
+    """Size of each pinned staging buffer and IO request of disk backup (two are used); a multiple
+    of 4 KiB up to 1 GiB. The default is 64 MiB, or ``TUS_DISK_BACKUP_CHUNK_MB`` /
+    ``TMS_DISK_BACKUP_CHUNK_MB``."""
+    _C.set_disk_backup_chunk_bytes(int(nbytes))
+
+
+def get_disk_backup_chunk_bytes() -> int:
+    """Size of each pinned staging buffer and IO request of disk backup."""
+    return _C.disk_backup_chunk_bytes()
 
 
 def release_host_cache() -> int:

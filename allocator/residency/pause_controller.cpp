@@ -30,13 +30,55 @@ PauseController::~PauseController() {
 void PauseController::drop_backup(Segment& segment) {
   buffers_.release(segment.backup);
   segment.backup = HostBuffer{};
+  disk_.remove(segment);
   for (Chunk& chunk : segment.chunks) chunk.backed_up = false;
+}
+
+bool PauseController::uses_disk(const Segment& segment, const BackupPolicy& policy) {
+  if (!segment.cpu_backup) return false;
+  if (segment.backup_needed()) return segment.backup ? false : !segment.disk_file.empty();
+  return policy.disk;
 }
 
 void PauseController::pause(const std::vector<Segment*>& segments, Backing& backing,
                             const BackupPolicy& policy, bool fenced) {
   if (!fenced) driver_.device_synchronize(device_);  // Note [Pause ordering]
 
+  // Note [Where a backup goes]. Disk problems (no directory, no room) show before anything
+  // changes.
+  std::vector<Segment*> to_disk;
+  std::vector<Segment*> to_host;
+  std::size_t new_file_bytes = 0;
+  for (Segment* segment : segments) {
+    if (uses_disk(*segment, policy)) {
+      to_disk.push_back(segment);
+      new_file_bytes += disk_.new_file_bytes(*segment);
+    } else {
+      to_host.push_back(segment);
+    }
+  }
+  if (!to_disk.empty()) disk_.check_ready(new_file_bytes);
+  for (Segment* segment : to_disk) {
+    if (segment->backup) drop_backup(*segment);  // retained, needed by no chunk
+  }
+  for (Segment* segment : to_host) {
+    if (!segment->disk_file.empty()) drop_backup(*segment);
+  }
+
+  pause_to_host(to_host, backing, policy);
+  if (to_disk.empty()) return;
+  // Note [Durable before unmapped]: a segment's chunks go once its file is on disk.
+  disk_.save(to_disk, copies_, [&backing](Segment& segment) {
+    for (Chunk& chunk : segment.chunks) {
+      if (!chunk.mapped) continue;
+      if (!chunk.stale) chunk.backed_up = true;
+      backing.release_chunk(segment, chunk);
+    }
+  });
+}
+
+void PauseController::pause_to_host(const std::vector<Segment*>& segments, Backing& backing,
+                                    const BackupPolicy& policy) {
   // 1. For each segment that keeps its contents, a host buffer and then its copies, each copy
   // followed by a mark. Buffers are taken one at a time so that the copies already queued run
   // while the next buffer is pinned (Note [Pinning ahead] in host_buffer_pool.h). Failing here
@@ -93,14 +135,20 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
   }
   std::vector<bool> was_mapped;
   for (const auto& [segment, chunk] : targets) was_mapped.push_back(chunk->mapped);
+  std::vector<std::pair<Segment*, Chunk*>> from_disk;
   try {
     for (auto& [segment, chunk] : targets) {
       backing.restore_chunk(*segment, *chunk);
-      if (segment->backup && chunk->backed_up) {
+      if (!chunk->backed_up) continue;
+      if (segment->backup) {
         engine.to_device(segment->ptr + chunk->offset, segment->backup.bytes() + chunk->offset,
                          chunk->size);
+      } else if (!segment->disk_file.empty()) {
+        from_disk.emplace_back(segment, chunk);
       }
     }
+    // After every map, so that the files are read as one stream (Note [Disk pipeline]).
+    disk_.load(from_disk, engine);
   } catch (...) {
     drain_quietly(engine);
     for (std::size_t i = 0; i < targets.size(); ++i) {
@@ -137,7 +185,7 @@ void PauseController::resume(const std::vector<Segment*>& segments, Backing& bac
   }
   if (!policy.retain) {
     for (Segment* segment : segments) {
-      if (segment->backup) drop_backup(*segment);
+      if (segment->backup || !segment->disk_file.empty()) drop_backup(*segment);
     }
   }
 }

@@ -47,6 +47,7 @@
 #include "allocator/backing/backing.h"
 #include "allocator/driver/driver.h"
 #include "allocator/residency/copy_engine.h"
+#include "allocator/residency/disk_backup.h"
 #include "allocator/residency/host_buffer_pool.h"
 #include "allocator/segment.h"
 
@@ -55,13 +56,19 @@ namespace tus {
 struct BackupPolicy {
   bool retain = false;  // keep the host copy after resume (readable with get_cpu_backup)
   bool pinned = true;   // pinned (pooled, full link speed) or pageable (returned after resume)
+  bool disk = false;    // a file per segment instead of host memory (residency/disk_backup.h)
 };
 
 class PauseController {
  public:
   PauseController(Driver& driver, int device, CopyEngine& copies, CopyEngine& inbound,
-                  HostBufferPool& buffers)
-      : driver_(driver), device_(device), copies_(copies), inbound_(inbound), buffers_(buffers) {}
+                  HostBufferPool& buffers, DiskBackup& disk)
+      : driver_(driver),
+        device_(device),
+        copies_(copies),
+        inbound_(inbound),
+        buffers_(buffers),
+        disk_(disk) {}
   ~PauseController();
   PauseController(const PauseController&) = delete;
   PauseController& operator=(const PauseController&) = delete;
@@ -88,7 +95,7 @@ class PauseController {
   // The pause is called off (the segment is wanted again): the segment stays as it was, its new
   // backup is released once `done` has completed.
   void abandon_backup(Segment& segment, EventHandle done);
-  // Gives a paused segment's backup back to the pool: its bytes are dead (the block was freed).
+  // Gives a paused segment's backup back (pool, or its file removed): its bytes are dead.
   void discard_backup(Segment& segment) { drop_backup(segment); }
   // Waits for the copies still in flight that read or write `segment`'s memory: a page-out that
   // was abandoned goes on reading it, and nothing else orders that copy before the memory goes
@@ -108,6 +115,11 @@ class PauseController {
   };
 
   void drop_backup(Segment& segment);
+  // Note [Where a backup goes].
+  static bool uses_disk(const Segment& segment, const BackupPolicy& policy);
+  // The host-memory pause: copies to host buffers, unmapping as copies complete.
+  void pause_to_host(const std::vector<Segment*>& segments, Backing& backing,
+                     const BackupPolicy& policy);
   // Maps every chunk that does not hold its contents and queues its copy on `engine`; undoes it
   // all (Note [Failure atomicity]) and rethrows on failure.
   void restore_chunks(const std::vector<Segment*>& segments, Backing& backing, CopyEngine& engine);
@@ -118,6 +130,7 @@ class PauseController {
   CopyEngine& copies_;   // backups, resumes, page-outs
   CopyEngine& inbound_;  // page-ins (Note [Asynchronous resume])
   HostBufferPool& buffers_;
+  DiskBackup& disk_;
   std::vector<InFlight> in_flight_;
   std::vector<EventHandle> spare_events_;
 };

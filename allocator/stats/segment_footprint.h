@@ -51,6 +51,7 @@ inline Footprint footprint(const Segment& segment) {
   print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
   print.active = resident;
   print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
+  print.disk_backup = segment.disk_file.empty() ? 0 : static_cast<std::int64_t>(segment.size);
   if (segment.mode == Mode::kLms) {
     // What is not resident is reclaimed (paged out), not paused.
     print.reclaimed_bytes = print.allocated - resident;

@@ -6,21 +6,22 @@
 // Gauges: current, peak, allocated (sum of increases), freed (sum of decreases). Bytes are
 // rounded to the backing's granularity, so allocated_bytes == active_bytes + paused_bytes +
 // reclaimed_bytes.
-#define TUS_GAUGE_STATS(X)                                                            \
-  X(allocated_bytes, "bytes of segments handed to the client, paused ones included")  \
-  X(requested_bytes, "bytes the client asked for (before rounding)")                  \
-  X(reserved_bytes, "device memory held from the driver, in use or cached")           \
-  X(active_bytes, "allocated bytes that are resident on the device")                  \
-  X(paused_bytes, "allocated bytes that are paused: their addresses hold no memory")  \
-  X(cpu_backup_bytes, "host memory holding backups of paused (or retained) segments") \
-  X(segment, "segments handed to the client")                                         \
-  X(managed_bytes, "allocated bytes of managed memory")                               \
-  X(managed_device_bytes, "managed bytes our prefetches last placed on the device")   \
-  X(managed_host_bytes, "managed bytes our prefetches last placed on the host")       \
-  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)") \
-  X(pinned, "lms segments pinned (in use: never reclaimed)")                          \
-  X(pinned_bytes, "bytes of pinned lms segments")                                     \
-  X(reclaimed, "lms segments paged out to the host")                                  \
+#define TUS_GAUGE_STATS(X)                                                              \
+  X(allocated_bytes, "bytes of segments handed to the client, paused ones included")    \
+  X(requested_bytes, "bytes the client asked for (before rounding)")                    \
+  X(reserved_bytes, "device memory held from the driver, in use or cached")             \
+  X(active_bytes, "allocated bytes that are resident on the device")                    \
+  X(paused_bytes, "allocated bytes that are paused: their addresses hold no memory")    \
+  X(cpu_backup_bytes, "host memory holding backups of paused (or retained) segments")   \
+  X(disk_backup_bytes, "bytes of segments whose backup is a file (paused or retained)") \
+  X(segment, "segments handed to the client")                                           \
+  X(managed_bytes, "allocated bytes of managed memory")                                 \
+  X(managed_device_bytes, "managed bytes our prefetches last placed on the device")     \
+  X(managed_host_bytes, "managed bytes our prefetches last placed on the host")         \
+  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)")   \
+  X(pinned, "lms segments pinned (in use: never reclaimed)")                            \
+  X(pinned_bytes, "bytes of pinned lms segments")                                       \
+  X(reclaimed, "lms segments paged out to the host")                                    \
   X(reclaimed_bytes, "bytes of paged-out lms segments (allocated, not on the device)")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
@@ -31,6 +32,8 @@
   X(pause_buffer_hits, "pinned backup buffers a pause found ready in the pool")           \
   X(pause_buffer_misses, "pinned backup buffers a pause had to pin itself (slow)")        \
   X(resume_copy_bytes, "bytes copied host to device by resumes with backup")              \
+  X(disk_write_bytes, "bytes pauses wrote to disk-backup files")                          \
+  X(disk_read_bytes, "bytes resumes read back from disk-backup files")                    \
   X(num_ooms, "allocations and resumes refused for lack of device memory")                \
   X(num_free_failures, "driver errors while freeing (logged once, memory may be leaked)") \
   X(prefetch_to_device_bytes, "managed bytes prefetched to the device")                   \

@@ -11,6 +11,7 @@ void apply_to(ScopeStats& scope, const Footprint& before, const Footprint& after
   scope.active_bytes.change(after.active - before.active);
   scope.paused_bytes.change(after.paused - before.paused);
   scope.cpu_backup_bytes.change(after.cpu_backup - before.cpu_backup);
+  scope.disk_backup_bytes.change(after.disk_backup - before.disk_backup);
   scope.segment.change(after.segments - before.segments);
   scope.managed_bytes.change(after.managed - before.managed);
   scope.managed_device_bytes.change(after.managed_device - before.managed_device);

@@ -50,6 +50,7 @@ struct Footprint {
   std::int64_t active = 0;
   std::int64_t paused = 0;
   std::int64_t cpu_backup = 0;
+  std::int64_t disk_backup = 0;
   std::int64_t segments = 0;
   std::int64_t managed = 0;
   std::int64_t managed_device = 0;

@@ -218,7 +218,7 @@ def test_backup_of_segment_without_backup(allocator) -> None:
 def test_retained_backup_outlives_resume(driver, allocator, fill, peek, consistent) -> None:
     ptr = allocator.malloc(10 * MiB, tag="t", cpu_backup=True)
     allocator.set_backup_policy("t", retain=True)
-    assert allocator.backup_policy("t") == {"retain": True, "pinned": True}
+    assert allocator.backup_policy("t") == {"retain": True, "pinned": True, "disk": False}
     for _ in range(3):
         data = fill(ptr, 10 * MiB)
         allocator.pause("t")
@@ -238,7 +238,7 @@ def test_retained_backup_outlives_resume(driver, allocator, fill, peek, consiste
 def test_pageable_backup(driver, allocator, fill, peek, consistent) -> None:
     ptr = allocator.malloc(10 * MiB, tag="t", cpu_backup=True)
     allocator.set_backup_policy("t", pinned=False)
-    assert allocator.backup_policy("t") == {"retain": False, "pinned": False}
+    assert allocator.backup_policy("t") == {"retain": False, "pinned": False, "disk": False}
     for _ in range(2):
         data = fill(ptr, 10 * MiB)
         allocator.pause("t")

@@ -119,7 +119,7 @@ def test_set_backup_policy_retain(process, fill) -> None:
     _, allocator = process
     ptr = allocator.malloc(6 * MiB, tag="api-retain", cpu_backup=True)
     tus.set_backup_policy("api-retain", retain=True)
-    assert allocator.backup_policy("api-retain") == {"retain": True, "pinned": True}
+    assert allocator.backup_policy("api-retain") == {"retain": True, "pinned": True, "disk": False}
     data = fill(ptr, 6 * MiB)
     tus.pause("api-retain")
     tus.resume("api-retain")

@@ -190,8 +190,6 @@ class _TorchMemorySaverImpl:
         if pool is None:
             pool = self._mem_pools[key] = regions.new_pool(device)
         allocator = _native.allocator(device)
-        if enable_disk_backup:
-            residency.use_disk_backup(tag)
         allocator.enter_region(tag, "vmm", enable_cpu_backup or enable_disk_backup)
         try:
             with regions.routed(
@@ -232,9 +230,10 @@ class _TorchMemorySaverImpl:
         # TMS_INIT_CPU_BACKUP_BACKEND) stays when none is named, as in torch_memory_saver.
         self.cdll.tms_set_current_tag(tag.encode())
         self.cdll.tms_set_interesting_region(True)
-        self.cdll.tms_set_enable_cpu_backup(bool(enable_cpu_backup or enable_disk_backup))
+        self.cdll.tms_set_enable_cpu_backup(bool(enable_cpu_backup))
         if cpu_backup_backend is not None:
             self.cdll.tms_set_cpu_backup_backend(cpu_backup_backend.encode())
+        self.cdll.tms_set_enable_disk_backup(bool(enable_disk_backup))
 
     def set_tag_backend(self, tag: str, backend: str) -> None:
         allocator = _native.allocator(torch.cuda.current_device())
