@@ -180,7 +180,9 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
 void Allocator::expect_pinned_buffer_locked(Segment& segment) {
   // Note [Pinning ahead] in host_buffer_pool.h: the pool's demand is exactly the segments that
   // will ask for a pinned buffer and hold none.
-  const bool will_ask = segment.pin_ahead && !segment.backup && tags_[segment.tag].policy.pinned;
+  // A disk-backed tag asks only for the two staging buffers, not one per segment.
+  const BackupPolicy& policy = tag_state_locked(segment.tag).policy;
+  const bool will_ask = segment.pin_ahead && !segment.backup && policy.pinned && !policy.disk;
   if (will_ask == segment.pin_ahead_expected) return;
   segment.pin_ahead_expected = will_ask;
   if (will_ask) {

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from disk_scenarios import SCENARIOS as DISK_SCENARIOS
 from lms_scenarios import SCENARIOS as LMS_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
@@ -23,6 +24,7 @@ CASES = (
     + [("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)]
     + [("lms_scenarios.py", name) for name in sorted(LMS_SCENARIOS)]
     + [("pin_ahead_scenarios.py", name) for name in sorted(PIN_AHEAD_SCENARIOS)]
+    + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
 )
 
 

@@ -130,9 +130,11 @@ def test_set_backup_policy_retain(process, fill) -> None:
 
 def test_set_backup_policy_pageable_and_release_host_cache(process, fill, peek) -> None:
     driver, allocator = process
+    # The policy comes first: a pinned buffer prepared ahead for a segment (Note [Pinning ahead])
+    # stays in the pool until release_host_cache() even if the tag turns pageable later.
+    tus.set_backup_policy("api-pageable", pinned=False)
     pinned = allocator.malloc(6 * MiB, tag="api-pinned", cpu_backup=True)
     pageable = allocator.malloc(4 * MiB, tag="api-pageable", cpu_backup=True)
-    tus.set_backup_policy("api-pageable", pinned=False)
     data = fill(pinned, 6 * MiB), fill(pageable, 4 * MiB)
     tus.pause()
     tus.resume()
