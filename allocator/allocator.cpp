@@ -228,7 +228,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     stats_.for_scopes(segment.mode, segment.tag, [](ScopeStats& s) { ++s.num_free_failures; });
   }
   stop_expecting_locked(segment);  // its buffer, if ready, stays in the pool for the next one
-  host_buffers_.release(segment.backup);
+  host_buffers_.discard(segment.backup);  // a freed segment's backup is dead: host memory back now
   disk_.remove(segment);
   stats_.apply(segment.mode, segment.tag, before, Footprint{});
   segments_.erase(it);

@@ -41,6 +41,7 @@ namespace tus {
   X(cuMemRangeGetAttribute, 8000)          \
   X(cuPointerGetAttribute, 4000)           \
   X(cuMemHostAlloc, 2020)                  \
+  X(cuThreadExchangeStreamCaptureMode, 10010) \
   X(cuMemFreeHost, 2000)                   \
   X(cuStreamCreate, 2000)                  \
   X(cuStreamDestroy, 4000)                 \
@@ -383,8 +384,38 @@ bool CudaDriver::is_managed(int device, DevicePtr ptr) {
   return managed != 0;
 }
 
+namespace {
+
+// Note [Pinning during a capture]
+//  Pinning and unpinning host memory are calls CUDA forbids on every thread while any thread
+//  captures a graph in the default (global) mode, and making one anyway invalidates that capture.
+//  The host pool pins on a worker thread at any time (Note [Pinning ahead]), so for the length
+//  of the call this thread's capture mode is relaxed: the call is allowed, the capture goes on
+//  (seen on an H100: a pin ahead for memory a graph allocated during its capture invalidated it).
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(const CudaApi& api) : api_(api) {
+    if (api_.cuThreadExchangeStreamCaptureMode != nullptr) {
+      changed_ = api_.cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
+    }
+  }
+  ~RelaxedCaptureMode() {
+    if (changed_) api_.cuThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  const CudaApi& api_;
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+  bool changed_ = false;
+};
+
+}  // namespace
+
 void* CudaDriver::host_alloc_pinned(int device, std::size_t size) {
   ContextGuard guard(*this, device);
+  RelaxedCaptureMode relaxed(api());  // Note [Pinning during a capture]
   void* ptr = nullptr;
   check(api(), api().cuMemHostAlloc(&ptr, size, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc",
         std::to_string(size) + " bytes");
@@ -393,6 +424,7 @@ void* CudaDriver::host_alloc_pinned(int device, std::size_t size) {
 
 void CudaDriver::host_free_pinned(int device, void* ptr) {
   ContextGuard guard(*this, device);
+  RelaxedCaptureMode relaxed(api());  // Note [Pinning during a capture]
   check(api(), api().cuMemFreeHost(ptr), "cuMemFreeHost", "");
 }
 

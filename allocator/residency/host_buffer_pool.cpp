@@ -124,6 +124,22 @@ void HostBufferPool::release(HostBuffer buffer) {
   changed_.notify_all();  // may cover an expected size: the worker's idle waiters re-check
 }
 
+void HostBufferPool::discard(HostBuffer buffer) {
+  if (!buffer) return;
+  if (!buffer.pinned) {
+    munmap(buffer.ptr, buffer.size);
+    return;
+  }
+  try {
+    driver_.host_free_pinned(device_, buffer.ptr);
+  } catch (const std::exception& error) {
+    log_once("host_buffer_pool_discard", error.what());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.pinned_bytes -= buffer.size;
+}
+
 std::size_t HostBufferPool::trim() {
   std::multimap<std::size_t, void*> idle;
   {

@@ -76,6 +76,9 @@ class HostBufferPool {
   HostBuffer acquire(std::size_t size, bool pinned);
   // Pinned buffers go back to the pool, pageable ones to the operating system.
   void release(HostBuffer buffer);
+  // Frees the buffer now instead of pooling it: the backup of a segment that was freed, whose
+  // owner expects its host memory back (torch_memory_saver's callers check).
+  void discard(HostBuffer buffer);
   // Frees every pooled pinned buffer, prepared ones included (after the one being pinned is
   // done), and drops the expected demand; returns the bytes freed.
   std::size_t trim();
