@@ -23,6 +23,7 @@ import contextlib
 import os
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -57,8 +58,6 @@ def hook_mode() -> str:
 
 def preload_library_path() -> str:
     """The preload library's file, for ``LD_PRELOAD`` (torch_memory_saver's file name)."""
-    from pathlib import Path
-
     return str(Path(_C.__file__).with_name("torch_memory_saver_hook_mode_preload.so"))
 
 

@@ -12,34 +12,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
 
-GiB = 1 << 30
-MiB = 1 << 20
-SCENARIOS: dict[str, Callable[[], None]] = {}
+from scenarios import GiB, MiB, expect_error, free_bytes, scenario_registry
 
-
-def scenario(function: Callable[[], None]) -> Callable[[], None]:
-    SCENARIOS[function.__name__] = function
-    return function
-
-
-def free_bytes() -> int:
-    import torch
-
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def expect_error(error_type: type, call: Callable[[], object], fragment: str = "") -> None:
-    """Asserts `call()` raises `error_type` whose message contains `fragment`."""
-    try:
-        call()
-    except error_type as error:
-        print(f"raised as expected: {error}")
-        assert fragment in str(error), error
-    else:
-        raise AssertionError(f"{call} should have raised {error_type.__name__}")
+SCENARIOS, scenario = scenario_registry()
 
 
 def backup_directory() -> Path:

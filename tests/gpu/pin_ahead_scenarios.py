@@ -9,18 +9,10 @@ process matters here: the host pool keeps its buffers, so only a process's first
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
-from scenarios import free_bytes, same_bits
+from scenarios import GiB, MiB, free_bytes, same_bits, scenario_registry
 
-GiB = 1 << 30
-MiB = 1 << 20
-SCENARIOS: dict[str, Callable[[], None]] = {}
-
-
-def scenario(function: Callable[[], None]) -> Callable[[], None]:
-    SCENARIOS[function.__name__] = function
-    return function
+SCENARIOS, scenario = scenario_registry()
 
 
 def fill_region(tag: str, total: int, count: int):

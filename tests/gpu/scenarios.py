@@ -11,12 +11,20 @@ from typing import Callable
 
 GiB = 1 << 30
 MiB = 1 << 20
-SCENARIOS: dict[str, Callable[[], None]] = {}
 
 
-def scenario(function: Callable[[], None]) -> Callable[[], None]:
-    SCENARIOS[function.__name__] = function
-    return function
+def scenario_registry() -> tuple[dict[str, Callable[[], None]], Callable]:
+    """A scenario file's SCENARIOS dict and the decorator that registers a function in it."""
+    registered: dict[str, Callable[[], None]] = {}
+
+    def register(function: Callable[[], None]) -> Callable[[], None]:
+        registered[function.__name__] = function
+        return function
+
+    return registered, register
+
+
+SCENARIOS, scenario = scenario_registry()
 
 
 def free_bytes() -> int:
