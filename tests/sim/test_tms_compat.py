@@ -147,3 +147,30 @@ def test_bad_settings_raise_clear_errors() -> None:
         saver.region(enable_cpu_backup=True, enable_disk_backup=True),
     ):
         pass
+
+
+def test_pause_and_resume_are_refused_while_a_capture_is_open() -> None:
+    from torch_uvm_saver.capture import counted_capture
+
+    with counted_capture():
+        with pytest.raises(InvalidStateError, match="capture is open"):
+            tus.pause()
+        with pytest.raises(InvalidStateError, match="capture is open"):
+            tus.resume("anything")
+    assert tus.pause() == 0  # afterwards: nothing held, nothing to do, no error
+
+
+def test_leaving_nested_routing_restores_the_whole_thread_state() -> None:
+    from torch_uvm_saver import regions
+
+    saved = tus._C.save_thread_region()
+    try:
+        tus._C.set_thread_region("vmm", "outer", True)
+        with regions.routed(None, 0, lambda: tus._C.set_thread_region("vmm", "inner", False)):
+            assert tus._C.get_thread_region() == ("vmm", "inner", False, True)
+            with regions.routed(None, 0, tus._C.clear_thread_region):
+                assert tus._C.get_thread_region()[3] is False
+            assert tus._C.get_thread_region() == ("vmm", "inner", False, True)
+        assert tus._C.get_thread_region() == ("vmm", "outer", True, True)
+    finally:
+        tus._C.restore_thread_region(saved)
