@@ -68,8 +68,9 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
     allocator = _native.allocator(device)
     stats = allocator.stats()
     scopes = ["all", *_native.MODES]
+    # Tags are any string, dots included: the scope is everything between the family and field.
     scopes += sorted(
-        key.split(".")[1]
+        key[len("segment.") : -len(".current")]
         for key in stats
         if key.startswith("segment.tag:") and key.endswith(".current")
     )

@@ -210,3 +210,9 @@ def test_environment_driver_in_a_fresh_process() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["sim", str(64 * MiB), str(6 * MiB), str(6 * MiB)]
+
+
+def test_memory_summary_shows_a_tag_with_dots(process) -> None:
+    _, allocator = process
+    allocator.malloc(2 * MiB, tag="model.layers.0.w")
+    assert "tag:model.layers.0.w" in tus.memory_summary()
