@@ -27,9 +27,9 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:6.1f} GB/s" if seconds > 0 else "   n/a"
 
 
-def _report(label: str, freed: int, seconds: float, copied: int) -> None:
+def _report(label: str, changed: int, seconds: float, copied: int) -> None:
     rate = _rate(copied, seconds)
-    print(f"  {label:<8} {format_bytes(freed):>12} in {seconds * 1e3:8.1f} ms  ({rate})")
+    print(f"  {label:<14} {format_bytes(changed):>12} in {seconds * 1e3:8.1f} ms  ({rate})")
 
 
 def _run_gpu(total: int, count: int, cycles: int) -> bool:
@@ -62,8 +62,8 @@ def _run_gpu(total: int, count: int, cycles: int) -> bool:
         same = same and [t.data_ptr() for t in tensors] == pointers
         ok = ok and same
         print(f"cycle {cycle}:")
-        _report("pause", after - before, paused_for, total)
-        _report("resume", after - restored, resumed_for, total)
+        _report("pause freed", after - before, paused_for, total)
+        _report("resume took", after - restored, resumed_for, total)
         print(f"  contents and addresses identical after resume: {same}")
     print("(the first cycle includes allocating the pinned host buffers, later cycles reuse them)")
     print(memory_summary(device))
@@ -98,9 +98,11 @@ def _run_sim(total: int, count: int, cycles: int) -> bool:
         same = [zlib.crc32(ctypes.string_at(p, each)) for p in pointers] == expected
         ok = ok and same
         print(f"cycle {cycle}:")
-        _report("pause", after - before, paused_for, total)
-        _report("resume", after - restored, resumed_for, total)
+        _report("pause freed", after - before, paused_for, total)
+        _report("resume took", after - restored, resumed_for, total)
         print(f"  contents identical after resume: {same}")
+    print("(the first cycle also touches the host buffers' pages for the first time; later cycles")
+    print("reuse them)")
     print(memory_summary(0))
     for pointer in pointers:
         allocator.free(pointer)
