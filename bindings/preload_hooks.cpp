@@ -133,7 +133,13 @@ extern "C" {
 __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t size) {
   if (ptr == nullptr) return cudaErrorInvalidValue;
   const tus::RegionConfig& region = tus::thread_region();
-  if (region.active) return allocate_in_region(ptr, size, region);
+  if (region.active) {
+    if (size == 0) {  // as the runtime does: success, no memory
+      *ptr = nullptr;
+      return cudaSuccess;
+    }
+    return allocate_in_region(ptr, size, region);
+  }
   const MallocFunction forward = runtime_malloc();
   if (forward == nullptr) {
     tus::log_once("no runtime malloc",

@@ -62,6 +62,8 @@ def test_everything_allocated_from_the_start_pauses_and_comes_back_with_its_byte
         """
         assert tus.hook_mode() == "preload"
         assert process.tms_get_interesting_region() and process.tms_get_enable_cpu_backup()
+        zero = ctypes.c_void_p(1)
+        assert cuda_malloc(ctypes.byref(zero), 0) == 0 and zero.value is None  # as CUDA does
         pointer = malloc(6912)  # not a multiple of the granularity
         data = os.urandom(6912)
         ctypes.memmove(pointer, data, len(data))
