@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, module) {
   tus::bindings::bind_allocator(module);
   tus::bindings::bind_registry(module);
   tus::bindings::bind_alias(module);
+  tus::bindings::bind_relocation(module);
 }

@@ -54,6 +54,7 @@ from .lms import (
     unpin,
 )
 from .lms_module import ParameterPins, pin_parameters
+from .lms_session import LmsSession, lms_session
 from .managed import (
     advise,
     get_device_budget,
@@ -92,6 +93,7 @@ __all__ = [
     "CudaError",
     "InvalidArgumentError",
     "InvalidStateError",
+    "LmsSession",
     "OutOfMemoryError",
     "ParameterPins",
     "TusError",
@@ -116,6 +118,7 @@ __all__ = [
     "is_paused",
     "lms_check",
     "lms_mode",
+    "lms_session",
     "lms_step",
     "manage_memory",
     "memory_attributes",

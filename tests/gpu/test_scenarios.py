@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from disk_scenarios import SCENARIOS as DISK_SCENARIOS
 from lms_scenarios import SCENARIOS as LMS_SCENARIOS
+from lms_session_scenarios import SCENARIOS as LMS_SESSION_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
@@ -23,6 +24,7 @@ CASES = (
     [("scenarios.py", name) for name in sorted(SCENARIOS)]
     + [("managed_scenarios.py", name) for name in sorted(MANAGED_SCENARIOS)]
     + [("lms_scenarios.py", name) for name in sorted(LMS_SCENARIOS)]
+    + [("lms_session_scenarios.py", name) for name in sorted(LMS_SESSION_SCENARIOS)]
     + [("pin_ahead_scenarios.py", name) for name in sorted(PIN_AHEAD_SCENARIOS)]
     + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
 )

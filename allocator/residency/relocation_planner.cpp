@@ -1,0 +1,260 @@
+#include "allocator/residency/relocation_planner.h"
+
+#include <algorithm>
+
+#include "allocator/errors.h"
+
+namespace tus {
+
+void RelocationPlanner::add(BlockId id, std::size_t bytes, bool persistent) {
+  if (bytes == 0) TUS_THROW(InvalidArgument, "relocating LMS: block " << id << " has 0 bytes");
+  if (blocks_.count(id) != 0) {
+    TUS_THROW(InvalidArgument, "relocating LMS: block " << id << " is already added");
+  }
+  Block& block = blocks_[id];
+  block.bytes = bytes;
+  block.key = persistent ? id : (kTransientKey | transient_added_++);
+  by_key_[block.key] = id;
+  registered_bytes_ += bytes;
+  make_resident(id, block);
+}
+
+bool RelocationPlanner::remove(BlockId id) {
+  const auto it = blocks_.find(id);
+  if (it == blocks_.end()) return false;
+  Block& block = it->second;
+  const bool was_out = block.out;
+  if (!block.out) {
+    resident_.erase(block.rank);
+    resident_bytes_ -= block.bytes;
+  }
+  if (const auto key = by_key_.find(block.key); key != by_key_.end() && key->second == id) {
+    by_key_.erase(key);
+  }
+  registered_bytes_ -= block.bytes;
+  blocks_.erase(it);
+  return was_out;
+}
+
+void RelocationPlanner::make_persistent(BlockId id) {
+  const auto it = blocks_.find(id);
+  if (it == blocks_.end()) TUS_THROW(InvalidArgument, "relocating LMS: unknown block " << id);
+  Block& block = it->second;
+  if (const auto key = by_key_.find(block.key); key != by_key_.end() && key->second == id) {
+    by_key_.erase(key);
+  }
+  block.key = id;
+  by_key_[id] = id;
+}
+
+bool RelocationPlanner::is_out(BlockId id) const {
+  const auto it = blocks_.find(id);
+  if (it == blocks_.end()) TUS_THROW(InvalidArgument, "relocating LMS: unknown block " << id);
+  return it->second.out;
+}
+
+std::uint64_t RelocationPlanner::next_read(std::uint64_t key) const {
+  const auto it = reads_then_.find(key);
+  if (it == reads_then_.end()) return kNever;
+  const auto next = std::upper_bound(it->second.begin(), it->second.end(), position_);
+  return next == it->second.end() ? kNever : *next;
+}
+
+void RelocationPlanner::make_resident(BlockId id, Block& block) {
+  block.out = false;
+  block.rank = Rank{next_read(block.key), ++tick_, id};
+  resident_.insert(block.rank);
+  resident_bytes_ += block.bytes;
+  peak_resident_bytes_ = std::max(peak_resident_bytes_, resident_bytes_);
+}
+
+void RelocationPlanner::make_out(Block& block) {
+  resident_.erase(block.rank);
+  resident_bytes_ -= block.bytes;
+  block.out = true;
+  if (block.prefetched) {
+    block.prefetched = false;
+    ++counters_.prefetch_wasted;
+  }
+  ++counters_.pageout_count;
+  counters_.pageout_bytes += block.bytes;
+}
+
+RelocationPlanner::BlockId RelocationPlanner::take_victim(const std::unordered_set<BlockId>& keep,
+                                                          std::uint64_t after) {
+  for (auto it = resident_.begin(); it != resident_.end(); ++it) {
+    if (it->next_read <= after) return 0;  // everything left is read sooner
+    if (keep.count(it->id) != 0) continue;
+    const BlockId id = it->id;
+    make_out(blocks_.at(id));
+    return id;
+  }
+  return 0;
+}
+
+bool RelocationPlanner::room_for(std::size_t bytes, const std::unordered_set<BlockId>& keep,
+                                 std::uint64_t after) const {
+  std::size_t resident = resident_bytes_;
+  for (auto it = resident_.begin(); resident + bytes > budget_; ++it) {
+    if (it == resident_.end() || it->next_read <= after) return false;
+    if (keep.count(it->id) == 0) resident -= blocks_.at(it->id).bytes;
+  }
+  return true;
+}
+
+RelocationPlanner::Plan RelocationPlanner::before_use(const std::vector<BlockId>& ids) {
+  ++position_;
+  Plan plan;
+  std::unordered_set<BlockId> keep;
+  for (const BlockId id : ids) {
+    const auto it = blocks_.find(id);
+    if (it == blocks_.end() || !keep.insert(id).second) continue;
+    Block& block = it->second;
+    reads_now_[block.key].push_back(position_);
+    events_now_.emplace_back(position_, block.key);
+    if (block.out) {
+      plan.page_in.push_back(id);
+      continue;
+    }
+    if (block.prefetched) {
+      block.prefetched = false;
+      ++counters_.prefetch_hits;
+    }
+    resident_.erase(block.rank);
+    block.rank = Rank{next_read(block.key), ++tick_, id};
+    resident_.insert(block.rank);
+  }
+  page_in_needed(plan.page_in, keep, plan);
+  plan_prefetch(keep, plan);
+  return plan;
+}
+
+void RelocationPlanner::page_in_needed(const std::vector<BlockId>& ids,
+                                       const std::unordered_set<BlockId>& keep, Plan& plan) {
+  std::size_t needed = 0;
+  for (const BlockId id : ids) needed += blocks_.at(id).bytes;
+  while (resident_bytes_ + needed > budget_) {
+    const BlockId victim = take_victim(keep, 0);
+    if (victim == 0) break;
+    plan.page_out.push_back(victim);
+  }
+  if (resident_bytes_ + needed > budget_) ++counters_.over_budget_uses;
+  for (const BlockId id : ids) {
+    Block& block = blocks_.at(id);
+    make_resident(id, block);
+    ++counters_.pagein_count;
+    counters_.pagein_bytes += block.bytes;
+  }
+}
+
+RelocationPlanner::Plan RelocationPlanner::bring_in(const std::vector<BlockId>& ids) {
+  Plan plan;
+  std::unordered_set<BlockId> keep;
+  for (const BlockId id : ids) {
+    const auto it = blocks_.find(id);
+    if (it == blocks_.end() || !keep.insert(id).second) continue;
+    if (it->second.out) plan.page_in.push_back(id);
+  }
+  page_in_needed(plan.page_in, keep, plan);
+  return plan;
+}
+
+void RelocationPlanner::plan_prefetch(const std::unordered_set<BlockId>& keep, Plan& plan) {
+  if (prefetch_depth_ == 0) return;
+  const std::uint64_t horizon = position_ + prefetch_depth_;
+  prefetch_cursor_ = std::max(prefetch_cursor_, prefetch_scanned_);
+  while (prefetch_cursor_ < events_then_.size() &&
+         events_then_[prefetch_cursor_].first <= position_) {
+    ++prefetch_cursor_;
+  }
+  prefetch_scanned_ = prefetch_cursor_;
+  while (prefetch_scanned_ < events_then_.size() &&
+         events_then_[prefetch_scanned_].first <= horizon) {
+    const auto [read_at, key] = events_then_[prefetch_scanned_];
+    const auto found = by_key_.find(key);
+    if (found != by_key_.end()) {
+      Block& block = blocks_.at(found->second);
+      if (block.out) {
+        // Room: free budget, or blocks read later than this one (Note [Prefetch from the trace]).
+        if (!room_for(block.bytes, keep, read_at)) break;  // try again at the next operator
+        while (resident_bytes_ + block.bytes > budget_) {
+          plan.page_out.push_back(take_victim(keep, read_at));
+        }
+        make_resident(found->second, block);
+        block.prefetched = true;
+        plan.prefetch.push_back(found->second);
+        ++counters_.prefetch_count;
+        counters_.prefetch_bytes += block.bytes;
+      }
+    }
+    ++prefetch_scanned_;
+  }
+}
+
+std::vector<RelocationPlanner::BlockId> RelocationPlanner::make_room(
+    std::size_t bytes, const std::vector<BlockId>& keep) {
+  const std::unordered_set<BlockId> kept(keep.begin(), keep.end());
+  std::vector<BlockId> victims;
+  std::size_t freed = 0;
+  while (freed < bytes) {
+    const BlockId victim = take_victim(kept, 0);
+    if (victim == 0) break;
+    victims.push_back(victim);
+    freed += blocks_.at(victim).bytes;
+  }
+  ++counters_.oom_events;
+  budget_ = std::min(budget_, resident_bytes_);
+  return victims;
+}
+
+std::vector<RelocationPlanner::BlockId> RelocationPlanner::evict_all(
+    const std::vector<BlockId>& keep) {
+  const std::unordered_set<BlockId> kept(keep.begin(), keep.end());
+  std::vector<BlockId> victims;
+  for (BlockId victim = take_victim(kept, 0); victim != 0; victim = take_victim(kept, 0)) {
+    victims.push_back(victim);
+  }
+  return victims;
+}
+
+std::vector<RelocationPlanner::BlockId> RelocationPlanner::bring_all_in() {
+  std::vector<BlockId> ids;
+  for (auto& [id, block] : blocks_) {
+    if (!block.out) continue;
+    make_resident(id, block);
+    ++counters_.pagein_count;
+    counters_.pagein_bytes += block.bytes;
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+void RelocationPlanner::end_iteration() {
+  reads_then_ = std::move(reads_now_);
+  events_then_ = std::move(events_now_);
+  reads_now_.clear();
+  events_now_.clear();
+  position_ = 0;
+  transient_added_ = 0;
+  prefetch_cursor_ = 0;
+  prefetch_scanned_ = 0;
+  ++counters_.iterations;
+  // Transient blocks that outlive their iteration keep no key the next trace knows: they must not
+  // take the keys that this iteration's new blocks are given (Note [Choosing victims]).
+  for (auto& [id, block] : blocks_) {
+    if ((block.key & kTransientKey) == 0) continue;
+    if (const auto key = by_key_.find(block.key); key != by_key_.end() && key->second == id) {
+      by_key_.erase(key);
+    }
+    block.key = kTransientKey | kOrphanKey | orphans_++;
+  }
+  // Next reads are positions of the new iteration: rank every resident block again.
+  resident_.clear();
+  for (auto& [id, block] : blocks_) {
+    if (block.out) continue;
+    block.rank.next_read = next_read(block.key);
+    resident_.insert(block.rank);
+  }
+}
+
+}  // namespace tus

@@ -1,0 +1,177 @@
+// RelocationPlanner: the policy of Large Model Support that pages blocks in at a new address
+// (ARCHITECTURE decision 9). It decides which blocks go out to the host and which come back, and
+// when; the Python session (torch_uvm_saver/lms_session.py) moves the bytes with PyTorch's storage
+// API and tells it what happened. Pure bookkeeping: no driver call, no torch, not thread-safe
+// (one session drives it from one thread, under the GIL).
+//
+// Note [Relocating LMS]
+//  A block is one PyTorch storage, named by the address of its StorageImpl, which stays the same
+//  while the storage's data moves. It is resident (its bytes on the device) or out (its bytes in a
+//  host copy, its device memory given back to the cache). The planner keeps the resident bytes of
+//  its blocks under a budget: before an operator runs, before_use() names the blocks it reads;
+//  those that are out come back in (page_in), and if that takes the resident bytes past the budget,
+//  other blocks go out first (page_out). Out of memory anyway (the budget left too little for what
+//  is not ours: activations not saved yet, workspaces), make_room() names more victims and lowers
+//  the budget to what was resident then, so the same operator does not fail again next iteration.
+//
+// Note [Choosing victims]
+//  Training repeats itself: the n-th operator of an iteration reads the same blocks as the n-th
+//  operator of the one before. The planner records, per block, at which operators (positions) it
+//  was read, and in the next iteration evicts the resident block whose next read in the previous
+//  iteration lies furthest ahead, never-again first: Belady's optimal choice, on last iteration's
+//  trace. Ties, and the first iteration (no trace), go to the least recently used. A block keeps
+//  its name across iterations through its key: a persistent block (a parameter, optimizer state)
+//  is keyed by its id; a transient one (a saved activation, a gradient: new storages every
+//  iteration) by the order in which it was added in its iteration.
+//
+// Note [Prefetch from the trace]
+//  At every position the planner looks `prefetch_depth` operators ahead in the previous
+//  iteration's trace, and pages in blocks read there that are out now: into free budget, or in
+//  place of a resident block whose next read lies further ahead than the prefetched block's (the
+//  same rule as above, so prefetching never evicts what is needed sooner). Prefetches are queued
+//  on a stream of their own and overlap compute and page-outs; a prefetched block read while
+//  still in counts as a hit, one evicted before its read as wasted.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace tus {
+
+class RelocationPlanner {
+ public:
+  using BlockId = std::uint64_t;
+  static constexpr std::size_t kDefaultPrefetchDepth = 64;
+
+  // What the session does before the operator runs, in this order.
+  struct Plan {
+    std::vector<BlockId> page_out;  // start these page-outs (victims)
+    std::vector<BlockId> page_in;   // page these in; the operator reads them
+    std::vector<BlockId> prefetch;  // page these in ahead of their read, on the prefetch stream
+    bool empty() const { return page_out.empty() && page_in.empty() && prefetch.empty(); }
+  };
+
+  struct Counters {
+    std::uint64_t iterations = 0;
+    std::uint64_t pageout_count = 0;
+    std::uint64_t pageout_bytes = 0;
+    std::uint64_t pagein_count = 0;  // on demand: the operator waited for it
+    std::uint64_t pagein_bytes = 0;
+    std::uint64_t prefetch_count = 0;
+    std::uint64_t prefetch_bytes = 0;
+    std::uint64_t prefetch_hits = 0;
+    std::uint64_t prefetch_wasted = 0;
+    std::uint64_t oom_events = 0;
+    std::uint64_t over_budget_uses = 0;  // an operator's own blocks alone passed the budget
+  };
+
+  explicit RelocationPlanner(std::size_t budget_bytes) : budget_(budget_bytes) {}
+
+  void set_budget(std::size_t bytes) { budget_ = bytes; }
+  std::size_t budget() const { return budget_; }
+  void set_prefetch_depth(std::size_t operators) { prefetch_depth_ = operators; }
+  std::size_t prefetch_depth() const { return prefetch_depth_; }
+
+  // A resident block joins. InvalidArgument if `id` is known or `bytes` is 0.
+  void add(BlockId id, std::size_t bytes, bool persistent);
+  // The block leaves (freed by its owner, or released by the session); returns whether it was
+  // out, so the session can drop its host copy. Unknown ids: false.
+  bool remove(BlockId id);
+  // A transient block stays for good (optimizer state found after its first step): keyed by id.
+  void make_persistent(BlockId id);
+  bool contains(BlockId id) const { return blocks_.count(id) != 0; }
+  // InvalidArgument for an unknown id.
+  bool is_out(BlockId id) const;
+
+  // Note [Relocating LMS]: an operator reads `ids` (unknown ones are ignored).
+  Plan before_use(const std::vector<BlockId>& ids);
+  // A view of blocks that are out is being made (PyTorch checks a view's bounds against its
+  // storage): page them in, as before_use does, but read nothing: no position, no trace, no
+  // prefetch, so iterations stay aligned whatever was out.
+  Plan bring_in(const std::vector<BlockId>& ids);
+  // Out of memory running an operator that reads `keep`: victims for at least `bytes` (fewer when
+  // nothing else is resident); the budget drops to the resident bytes left.
+  std::vector<BlockId> make_room(std::size_t bytes, const std::vector<BlockId>& keep);
+  // Victims for every resident block but `keep` (reclaim everything).
+  std::vector<BlockId> evict_all(const std::vector<BlockId>& keep);
+  // Every block that is out, marked resident (the session pages them all in).
+  std::vector<BlockId> bring_all_in();
+  // The iteration's trace becomes the one the next iteration plans with.
+  void end_iteration();
+
+  const Counters& counters() const { return counters_; }
+  std::size_t resident_bytes() const { return resident_bytes_; }
+  std::size_t peak_resident_bytes() const { return peak_resident_bytes_; }
+  std::size_t registered_bytes() const { return registered_bytes_; }
+  std::size_t block_count() const { return blocks_.size(); }
+  std::uint64_t position() const { return position_; }
+
+ private:
+  static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
+  static constexpr std::uint64_t kTransientKey = std::uint64_t{1} << 63;
+  static constexpr std::uint64_t kOrphanKey = std::uint64_t{1} << 62;  // outlived its iteration
+
+  // Victims first: furthest next read, then least recently read, then by id.
+  struct Rank {
+    std::uint64_t next_read;
+    std::uint64_t last_read;
+    BlockId id;
+    bool operator<(const Rank& other) const {
+      if (next_read != other.next_read) return next_read > other.next_read;
+      if (last_read != other.last_read) return last_read < other.last_read;
+      return id < other.id;
+    }
+  };
+
+  struct Block {
+    std::size_t bytes = 0;
+    std::uint64_t key = 0;
+    bool out = false;
+    bool prefetched = false;  // paged in ahead and not read since
+    Rank rank{};              // its entry in resident_ while resident
+  };
+
+  std::uint64_t next_read(std::uint64_t key) const;
+  void make_resident(BlockId id, Block& block);
+  void make_out(Block& block);
+  // Sends out the best victim not in `keep` whose next read lies after `after`; 0 if none.
+  BlockId take_victim(const std::unordered_set<BlockId>& keep, std::uint64_t after);
+  // Whether `bytes` fit under the budget once the victims read after `after` are out.
+  // Pages in the blocks of `ids` that are out, evicting others (not in `keep`) past the budget.
+  void page_in_needed(const std::vector<BlockId>& ids, const std::unordered_set<BlockId>& keep,
+                      Plan& plan);
+  bool room_for(std::size_t bytes, const std::unordered_set<BlockId>& keep,
+                std::uint64_t after) const;
+  void plan_prefetch(const std::unordered_set<BlockId>& keep, Plan& plan);
+
+  std::size_t budget_;
+  std::size_t prefetch_depth_ = kDefaultPrefetchDepth;
+  std::unordered_map<BlockId, Block> blocks_;
+  std::set<Rank> resident_;
+  std::size_t resident_bytes_ = 0;
+  std::size_t peak_resident_bytes_ = 0;
+  std::size_t registered_bytes_ = 0;
+  std::uint64_t position_ = 0;  // operators planned this iteration
+  std::uint64_t tick_ = 0;      // reads and arrivals, never reset: least recently used
+  std::uint64_t orphans_ = 0;
+  std::uint64_t transient_added_ = 0;  // transient blocks added this iteration
+  // key -> block, for the blocks alive now (prefetch finds blocks by the previous trace's keys)
+  std::unordered_map<std::uint64_t, BlockId> by_key_;
+  // key -> positions read, this iteration and the previous one (ascending)
+  std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> reads_now_;
+  std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> reads_then_;
+  // (position, key) of every read, this iteration and the previous one, in order
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> events_now_;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> events_then_;
+  std::size_t prefetch_cursor_ = 0;   // events_then_ before it lie in the past
+  std::size_t prefetch_scanned_ = 0;  // events_then_ before it were considered for prefetch
+  Counters counters_;
+};
+
+}  // namespace tus

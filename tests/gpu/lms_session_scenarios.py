@@ -1,0 +1,222 @@
+"""GPU scenarios of the relocating LMS session (torch_uvm_saver/lms_session.py), one per fresh
+process: `python lms_session_scenarios.py NAME`. Each asserts what a user observes (losses and
+parameters bit for bit against the same training without a limit, PyTorch's peak reserved memory
+against the limit, data pointers that moved) and prints "SCENARIO NAME OK" at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from scenarios import MiB, expect_error, scenario_registry
+
+SCENARIOS, scenario = scenario_registry()
+WIDTH, LAYERS, BATCH = 2048, 12, 4096
+
+
+def make_model(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()) for _ in range(LAYERS)
+    ]
+    model = torch.nn.Sequential(*blocks).cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train(model, optimizer, session=None, steps=4, checkpoint=False):
+    import torch
+    import torch.utils.checkpoint
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(BATCH, WIDTH, device="cuda", generator=generator)
+    y = torch.randn(BATCH, WIDTH, device="cuda", generator=generator)
+    losses = []
+    for _ in range(steps):
+        with session if session is not None else contextlib.nullcontext():
+            h = x
+            for block in model:
+                if checkpoint:
+                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                else:
+                    h = block(h)
+            loss = torch.nn.functional.mse_loss(h, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return losses
+
+
+def reference(checkpoint=False):
+    """Losses, parameters and peak reserved bytes of the same training without a limit."""
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, optimizer = make_model()
+    losses = train(model, optimizer, checkpoint=checkpoint)
+    peak = torch.cuda.max_memory_reserved()
+    params = [p.detach().cpu() for p in model.parameters()]
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return losses, params, peak
+
+
+def limited(limit: int, checkpoint=False, **options):
+    import torch
+
+    import torch_uvm_saver as tus
+
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    torch.cuda.reset_peak_memory_stats()
+    session = tus.lms_session(limit, [model], [optimizer], **options)
+    losses = train(model, optimizer, session, checkpoint=checkpoint)
+    peak = torch.cuda.max_memory_reserved()
+    stats = session.stats()
+    session.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    return losses, params, peak, stats
+
+
+def check_same_training(expected, got) -> None:
+    import torch
+
+    assert got[0] == expected[0], f"losses differ: {got[0]} vs {expected[0]}"
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1])), "parameters differ"
+
+
+@scenario
+def session_trains_under_half_the_peak_bit_for_bit() -> None:
+    expected = reference()
+    limit = expected[2] // 2
+    got = limited(limit)
+    stats = got[3]
+    print(
+        f"peak {expected[2] / MiB:.0f} MiB unconstrained, {got[2] / MiB:.0f} MiB under a limit "
+        f"of {limit / MiB:.0f} MiB; {stats}"
+    )
+    check_same_training(expected, got)
+    assert got[2] <= limit, f"peak {got[2]} over the limit {limit}"
+    assert stats["pageout_bytes"] > 0 and stats["pagein_bytes"] > 0
+    assert stats["prefetch_count"] > 0 and stats["prefetch_hits"] > 0
+
+
+@scenario
+def checkpointing_and_session_compose() -> None:
+    expected = reference(checkpoint=True)
+    plain_peak = reference()[2]
+    limit = plain_peak // 3
+    got = limited(limit, checkpoint=True)
+    print(
+        f"checkpointing alone {expected[2] / MiB:.0f} MiB, with the session "
+        f"{got[2] / MiB:.0f} MiB under {limit / MiB:.0f} MiB; {got[3]}"
+    )
+    check_same_training(expected, got)
+    assert got[2] <= limit
+
+
+@scenario
+def out_of_memory_inside_an_operator_is_retried() -> None:
+    # A budget equal to the limit leaves no room for what the session does not manage: the
+    # first iteration runs out of memory, makes room, runs the operator again and lowers the
+    # budget; the training is still exact.
+    expected = reference()
+    limit = expected[2] // 2
+    got = limited(limit, budget=limit)
+    print(got[3])
+    check_same_training(expected, got)
+    assert got[3]["oom_retries"] >= 1 and got[3]["budget_bytes"] < limit
+
+
+@scenario
+def relocation_moves_storages_and_keeps_views_and_saved_tensors() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+
+    a = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    base = torch.randn(8 << 20, device="cuda")
+    window = base[(1 << 20) + 7 :].view(-1)[: 1 << 20]  # an odd storage offset
+    expected_window = window.clone()
+    with torch.no_grad():
+        y_ref = (a @ b).relu()
+    expected_grads = torch.autograd.grad(((a @ b).relu() * 3).sum(), [a, b])
+    session = tus.lms_session(1 << 34, budget=48 * MiB, min_bytes=MiB)
+    session.add(base)
+    before = base.data_ptr()
+    with session:
+        y = (a @ b).relu()  # saves a, b and the relu output
+        z = (y * 3).sum()
+        filler = [torch.ones(16 << 20, device="cuda") * i for i in range(4)]  # pushes things out
+        assert session._planner.is_out(base.untyped_storage()._cdata)
+        grads = torch.autograd.grad(z, [a, b])
+        total = window.sum()  # pages base back in, wherever there is room
+        same_window = torch.equal(window, expected_window)
+        same_y = torch.equal(y.detach(), y_ref)
+        del filler
+    print(f"base moved from {before:#x} to {base.data_ptr():#x}; {session.stats()}")
+    assert same_window and same_y and torch.isfinite(total)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+    assert session.stats()["pageout_count"] >= 3
+    session.close()
+
+
+@scenario
+def a_second_stream_reads_a_paged_in_tensor() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+
+    session = tus.lms_session(1 << 34, budget=64 * MiB, min_bytes=MiB)
+    t = torch.arange(16 << 20, device="cuda", dtype=torch.float32)
+    other = torch.ones(16 << 20, device="cuda")
+    session.add(t, other)
+    side = torch.cuda.Stream()
+    with session:
+        (other * 2).sum()
+        assert session._planner.is_out(t.untyped_storage()._cdata)
+        doubled = t * 2  # pages t in on the current stream
+        side.wait_stream(torch.cuda.current_stream())  # as PyTorch asks of any shared tensor
+        with torch.cuda.stream(side):
+            total = (t + 1).sum()
+        torch.cuda.current_stream().wait_stream(side)
+        expected = float((16 << 20) * ((16 << 20) - 1) / 2 + (16 << 20))
+        assert abs(total.item() - expected) / expected < 1e-6
+        assert torch.equal(doubled[:5].cpu(), torch.tensor([0.0, 2.0, 4.0, 6.0, 8.0]))
+    session.close()
+
+
+@scenario
+def what_cannot_move_is_refused_or_left_in_place() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver import errors
+
+    session = tus.lms_session(1 << 34, min_bytes=MiB)
+    source = torch.ones(4 << 20, device="cuda")
+    imported = torch.utils.dlpack.from_dlpack(source.__dlpack__())
+    expect_error(errors.InvalidArgumentError, lambda: session.add(imported), "cannot be resized")
+    expect_error(errors.InvalidArgumentError, lambda: session.add(torch.ones(4 << 20)), "is on cpu")
+    # A graph capture: what it saves stays where it is (the graph replays its addresses).
+    x = torch.randn(4 << 20, device="cuda", requires_grad=True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with session, torch.cuda.stream(side), torch.cuda.graph(graph):
+        y = x.exp()
+    torch.cuda.current_stream().wait_stream(side)
+    assert session.stats()["saved_managed"] == 0 and session.stats()["skipped_saved"] >= 1
+    del y
+    session.close()
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    SCENARIOS[name]()
+    print(f"SCENARIO {name} OK", flush=True)

@@ -1,0 +1,201 @@
+"""lms_session on CPU tensors: the relocation and autograd logic that CI can run (the GPU
+scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import torch_uvm_saver as tus
+from torch_uvm_saver import errors
+
+SMALL = 4096  # min_bytes: every weight and activation below is managed
+
+
+def make_model(seed=0, layers=6, width=128):
+    torch.manual_seed(seed)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(layers)
+    ]
+    model = torch.nn.Sequential(*blocks)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train(model, optimizer, session=None, steps=3, checkpoint=False):
+    torch.manual_seed(1)
+    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    losses = []
+    for _ in range(steps):
+        with session if session is not None else contextlib.nullcontext():
+            h = x
+            for block in model:
+                if checkpoint:
+                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                else:
+                    h = block(h)
+            loss = torch.nn.functional.mse_loss(h, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return losses
+
+
+def session_for(model, optimizer, budget):
+    return tus.lms_session(
+        10 * budget, [model], [optimizer], device="cpu", budget=budget, min_bytes=SMALL
+    )
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointing"])
+def test_training_under_a_tight_budget_matches_training_without_bit_for_bit(checkpoint):
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer, checkpoint=checkpoint)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=200_000)
+    losses = train(model, optimizer, session, checkpoint=checkpoint)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    assert stats["pageout_count"] > 0 and stats["pagein_count"] > 0
+    assert stats["pageout_bytes"] > 3 * stats["budget_bytes"]  # it really moved the model around
+
+
+def test_checkpointing_hands_the_session_only_what_it_does_not_recompute():
+    def saved(checkpoint):
+        model, optimizer = make_model()
+        session = session_for(model, optimizer, budget=10**9)  # nothing moves
+        train(model, optimizer, session, steps=1, checkpoint=checkpoint)
+        count = session.stats()["saved_managed"]
+        session.close()
+        return count
+
+    # Without checkpointing each block saves its linear's input and weight and its tanh's
+    # output; with it, only each checkpoint's input: recomputation saves during backward, which
+    # the session leaves alone. The loss saves its two inputs either way.
+    plain, checkpointed = saved(False), saved(True)
+    assert checkpointed <= 6 + 2
+    assert plain > 2 * checkpointed
+
+
+def test_views_and_storage_offsets_follow_the_storage():
+    base = torch.arange(4096, dtype=torch.float32)
+    view = base[1000:2000].view(10, 100)
+    session = tus.lms_session(10**6, device="cpu", budget=SMALL, min_bytes=SMALL)
+    other = torch.ones(4096)
+    session.add(base, other)
+    with session:
+        (other * 2).sum()  # reading other pushes base out (room for one)
+        assert session._planner.is_out(base.untyped_storage()._cdata)
+        total = view.sum().item()  # a view of an offset reads the paged-in bytes
+        transposed = view.t().contiguous()
+    assert total == float(sum(range(1000, 2000)))
+    assert torch.equal(transposed, torch.arange(1000, 2000, dtype=torch.float32).view(10, 100).t())
+    session.close()
+
+
+def test_autograd_saved_tensors_survive_relocation():
+    a = torch.randn(64, 64, requires_grad=True)
+    b = torch.randn(64, 64, requires_grad=True)
+    expected = torch.autograd.grad(((a @ b).tanh() * 3).sum(), [a, b])
+    session = tus.lms_session(10**6, device="cpu", budget=SMALL, min_bytes=SMALL)
+    with session:
+        y = (a @ b).tanh()
+        z = (y * 3).sum()
+        for _ in range(3):
+            torch.ones(1024) + 1  # unrelated work
+        got = torch.autograd.grad(z, [a, b])
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert session.stats()["pageout_count"] > 0
+    session.close()
+
+
+def test_saved_tensor_released_while_out_is_forgotten():
+    session = tus.lms_session(10**6, device="cpu", budget=SMALL, min_bytes=SMALL)
+    x = torch.randn(32, 32, requires_grad=True)
+    with session:
+        y = (x * 2).exp()  # exp saves its output
+        (torch.ones(1024) * 2).sum()
+        del y  # the graph and its saved tensor go
+    stats = session.stats()
+    assert stats["blocks"] == 0 and stats["registered_bytes"] == 0
+    session.close()
+
+
+def test_close_pages_everything_back_in_and_lifts_the_hooks():
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=100_000)
+    train(model, optimizer, session, steps=2)
+    assert any(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    session.close()
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+    train(model, optimizer, steps=1)  # usable without the session
+    session.close()  # twice is harmless
+
+
+def test_bad_use_is_refused_with_clear_errors():
+    with pytest.raises(errors.InvalidArgumentError, match="limit must be > 0"):
+        tus.lms_session(0, device="cpu")
+    with pytest.raises(errors.InvalidArgumentError, match="budget"):
+        tus.lms_session(100, device="cpu", budget=200)
+    session = tus.lms_session(10**6, device="cpu", min_bytes=SMALL)
+    fixed = torch.frombuffer(bytearray(8192), dtype=torch.uint8)
+    with pytest.raises(errors.InvalidArgumentError, match="cannot be resized"):
+        session.add(fixed)
+    with pytest.raises(errors.InvalidArgumentError, match="under min_bytes"):
+        session.add(torch.ones(4))
+    with session, pytest.raises(errors.InvalidStateError, match="already inside"):
+        session.__enter__()
+    session.close()
+    with pytest.raises(errors.InvalidStateError, match="closed"), session:
+        pass
+
+
+class _FakeSchema:
+    def __init__(self, mutable):
+        self.is_mutable = mutable
+
+
+class _FailingOperator:
+    """Raises torch.OutOfMemoryError `failures` times, then returns 42."""
+
+    def __init__(self, mutable, failures):
+        self._schema = _FakeSchema(mutable)
+        self.calls = 0
+        self.failures = failures
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return 42
+
+    def __str__(self):
+        return "fake.op"
+
+
+def test_out_of_memory_makes_room_and_runs_the_operator_again():
+    session = tus.lms_session(10**6, device="cpu", min_bytes=SMALL)
+    kept, other = torch.ones(4096), torch.ones(4096)
+    session.add(kept, other)
+    operator = _FailingOperator(mutable=False, failures=1)
+    ids = [kept.untyped_storage()._cdata]
+    assert session._run(operator, (), {}, ids) == 42
+    stats = session.stats()
+    assert stats["oom_retries"] == 1 and stats["oom_events"] == 1
+    assert session._planner.is_out(other.untyped_storage()._cdata)
+    assert not session._planner.is_out(ids[0])
+    assert stats["budget_bytes"] == stats["resident_bytes"]
+    session.close()
+
+
+def test_out_of_memory_in_an_operator_that_writes_its_input_is_not_retried():
+    session = tus.lms_session(10**6, device="cpu", min_bytes=SMALL)
+    operator = _FailingOperator(mutable=True, failures=1)
+    with pytest.raises(errors.OutOfMemoryError, match=r"fake\.op"):
+        session._run(operator, (), {}, [])
+    assert operator.calls == 1
+    session.close()

@@ -1,0 +1,215 @@
+"""RelocationPlanner: which storages go out and come back (Note [Relocating LMS])."""
+
+import pytest
+
+from torch_uvm_saver import _C, errors
+
+KB = 1000
+
+
+def planner(budget, depth=0):
+    p = _C.RelocationPlanner(budget)
+    p.prefetch_depth = depth
+    return p
+
+
+def test_blocks_within_budget_stay_resident():
+    p = planner(10 * KB)
+    for block in (1, 2, 3):
+        p.add(block, 3 * KB, True)
+    assert p.before_use([1, 2, 3]) is None
+    assert p.resident_bytes == 9 * KB and p.counters()["pageout_count"] == 0
+
+
+def test_adding_past_the_budget_pages_out_least_recently_used_at_next_use():
+    p = planner(6 * KB)
+    p.add(1, 3 * KB, True)
+    p.add(2, 3 * KB, True)
+    p.before_use([1])  # 2 is now the least recently read
+    p.add(3, 3 * KB, True)
+    page_out, page_in, prefetch = p.before_use([3])
+    assert page_out == [2] and page_in == [] and prefetch == []
+    assert p.is_out(2) and not p.is_out(1)
+    assert p.resident_bytes == 6 * KB
+
+
+def test_reading_an_out_block_pages_it_in_and_evicts_another():
+    p = planner(6 * KB)
+    for block in (1, 2, 3):
+        p.add(block, 3 * KB, True)
+    p.before_use([3])  # 1 out (least recently used)
+    page_out, page_in, _ = p.before_use([1])
+    assert page_in == [1] and page_out == [2]
+    assert p.counters()["pagein_bytes"] == 3 * KB
+
+
+def test_blocks_an_operator_reads_are_never_its_victims():
+    p = planner(6 * KB)
+    for block in (1, 2, 3):
+        p.add(block, 3 * KB, True)
+    p.before_use([1, 2, 3])  # the operator's own blocks exceed the budget: nothing to evict
+    assert p.counters()["over_budget_uses"] == 1
+    assert not any(p.is_out(b) for b in (1, 2, 3))
+
+
+def test_second_iteration_evicts_the_block_read_furthest_ahead():
+    # Reads per iteration: A, B, C, A, B, D with room for two blocks.
+    p = planner(2 * KB)
+    for block in (10, 20, 30, 40):
+        p.add(block, KB, True)
+
+    def iteration():
+        outs = []
+        for ids in ([10], [20], [30], [10], [20], [40]):
+            plan = p.before_use(ids)
+            if plan is not None:
+                outs.append((ids[0], plan[0]))
+        p.end_iteration()
+        return outs
+
+    iteration()  # first: least recently used
+    second = dict(iteration())
+    # At C (position 3) A and B are resident, read next at 4 and 5: B, read furthest ahead, goes
+    # (least recently used would have sent A, read at 1, against B at 2).
+    assert second[30] == [20]
+
+
+def test_prefetch_pages_in_ahead_from_the_previous_trace():
+    # Room for two of three blocks read 1, 2, 3 every iteration.
+    p = planner(2 * KB, depth=8)
+    for block in (1, 2, 3):
+        p.add(block, KB, True)
+    for ids in ([1], [2], [3]):
+        p.before_use(ids)  # at 3, the least recently read (1) goes out
+    p.end_iteration()
+    assert p.is_out(1)
+    # Position 1 reads 1: it comes in on demand in place of 3 (read furthest ahead, at 3).
+    assert p.before_use([1]) == ([3], [1], [])
+    # Position 2 reads 2; 3 is read next, and 1 never again: 3 comes in ahead, in place of 1.
+    assert p.before_use([2]) == ([1], [], [3])
+    # Position 3 reads 3, already in: a hit, nothing to wait for.
+    assert p.before_use([3]) is None
+    counters = p.counters()
+    assert counters["prefetch_count"] == 1 and counters["prefetch_hits"] == 1
+    assert counters["prefetch_wasted"] == 0
+
+
+def test_prefetch_never_evicts_a_block_needed_sooner():
+    # Reads 1, 2, 1 with room for one block. At position 1, 2 (read next, at 2) is out, and the
+    # only resident block is 1, which this operator reads: no prefetch may take its place.
+    p = planner(KB, depth=4)
+    p.add(1, KB, True)
+    p.add(2, KB, True)
+    for ids in ([1], [2], [1]):
+        p.before_use(ids)
+    p.end_iteration()
+    assert p.before_use([1]) is None
+    assert p.counters()["prefetch_count"] == 0
+
+
+def test_prefetch_waste_is_counted_when_evicted_before_its_read():
+    p = planner(2 * KB, depth=8)
+    for block in (1, 2, 3):
+        p.add(block, KB, True)
+    for ids in ([1], [2], [3]):
+        p.before_use(ids)
+    p.end_iteration()
+    p.before_use([1])
+    p.before_use([2])  # prefetches 3 (previous test)
+    p.make_room(2 * KB, [])  # out of memory: everything goes, the prefetched 3 unread
+    assert p.counters()["prefetch_wasted"] == 1
+
+
+def test_make_room_evicts_and_lowers_the_budget():
+    p = planner(10 * KB)
+    for block in (1, 2, 3):
+        p.add(block, 3 * KB, True)
+    victims = p.make_room(4 * KB, [3])
+    assert len(victims) == 2 and 3 not in victims
+    assert p.budget == p.resident_bytes == 3 * KB
+    assert p.counters()["oom_events"] == 1
+
+
+def test_remove_reports_whether_the_block_was_out():
+    p = planner(3 * KB)
+    p.add(1, 3 * KB, True)
+    p.add(2, 3 * KB, True)
+    p.before_use([2])
+    assert p.is_out(1)
+    assert p.remove(1) is True
+    assert p.remove(2) is False
+    assert p.remove(99) is False
+    assert p.registered_bytes == 0 and p.resident_bytes == 0
+
+
+def test_bring_in_pages_in_without_reading():
+    p = planner(3 * KB, depth=0)
+    p.add(1, 3 * KB, True)
+    p.add(2, 3 * KB, True)
+    p.before_use([2])
+    position = p.position
+    page_out, page_in, _ = p.bring_in([1])
+    assert page_in == [1] and page_out == [2]
+    assert p.position == position
+
+
+def test_evict_all_and_bring_all_in():
+    p = planner(10 * KB)
+    for block in (1, 2, 3):
+        p.add(block, KB, True)
+    assert sorted(p.evict_all([2])) == [1, 3]
+    assert p.resident_bytes == KB
+    assert sorted(p.bring_all_in()) == [1, 3]
+    assert p.resident_bytes == 3 * KB
+
+
+def test_transient_blocks_are_keyed_by_order_across_iterations():
+    # A transient block added second in each iteration is the same activation: the trace of
+    # iteration 1 (read at position 2) guides iteration 2 even though its id changed.
+    p = planner(KB, depth=0)
+    p.add(100, KB, True)
+    for _iteration, (a, b) in enumerate(((1, 2), (3, 4))):
+        p.add(a, KB, False)
+        p.add(b, KB, False)
+        p.before_use([100])
+        p.before_use([b])
+        p.before_use([a])
+        p.remove(a)
+        p.remove(b)
+        p.end_iteration()
+    assert p.counters()["iterations"] == 2
+    assert p.registered_bytes == KB
+
+
+def test_transient_block_outliving_its_iteration_keeps_working():
+    p = planner(2 * KB)
+    p.add(1, KB, False)
+    p.end_iteration()
+    p.add(2, KB, False)  # takes the first transient key of the new iteration
+    p.add(3, KB, False)
+    p.before_use([2, 3])
+    assert p.is_out(1)
+    assert p.before_use([1])[1] == [1]
+
+
+def test_make_persistent_keeps_a_transient_block_for_good():
+    p = planner(2 * KB)
+    p.add(5, KB, False)
+    p.make_persistent(5)
+    p.end_iteration()
+    p.add(6, KB, False)
+    assert 5 in p and 6 in p
+
+
+def test_bad_calls_raise_clear_errors():
+    p = planner(KB)
+    p.add(1, KB, True)
+    with pytest.raises(errors.InvalidArgumentError, match="already added"):
+        p.add(1, KB, True)
+    with pytest.raises(errors.InvalidArgumentError, match="0 bytes"):
+        p.add(2, 0, True)
+    with pytest.raises(errors.InvalidArgumentError, match="unknown block"):
+        p.is_out(7)
+    with pytest.raises(errors.InvalidArgumentError, match="unknown block"):
+        p.make_persistent(7)
+    assert p.registered_bytes == KB

@@ -1,0 +1,638 @@
+"""Large Model Support that pages storages in at a new address (ARCHITECTURE decision 9).
+
+    session = tus.lms_session(limit, modules=[model], optimizers=[optimizer])
+    for batch in data:
+        with session:                       # one training iteration
+            loss = model(batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()             # read values inside the block
+    session.close()                         # everything back on the device, hooks removed
+
+It runs on PyTorch's own allocator: nothing to install before CUDA starts, no hook mode. The
+limit caps the device memory PyTorch's allocator may hold (its per-process memory fraction),
+and the session keeps the storages it manages under a budget below that limit by paging the
+ones needed furthest ahead out to pinned host memory and back in, wherever the allocator has
+room, just before an operator reads them (Note [Relocating LMS] in
+allocator/residency/relocation_planner.h; the policy lives there, the bytes move here).
+
+Note [What the session relocates]
+    Managed storages, each at least ``min_bytes``: the parameters of ``modules``, the state of
+    ``optimizers`` (found after each iteration, and anything their ``step`` allocates meanwhile),
+    the gradients of those parameters (as autograd accumulates them), and every tensor autograd
+    saves for backward inside the block (through saved-tensor hooks) except while backward
+    itself runs (recomputation under activation checkpointing saves those: they live a moment
+    and are never paged). ``add(tensor)`` manages more. Under ``torch.utils.checkpoint`` a
+    checkpointed region saves nothing but its inputs, so checkpointing and the session compose:
+    recompute what is cheap, move the rest.
+
+    A storage moves only through PyTorch's storage API: the bytes are copied to the host, then
+    ``UntypedStorage.resize_(0)`` hands the device block back to the allocator; paging in takes
+    a fresh block (``resize_(n)``) wherever the allocator has room and copies the bytes back.
+    Every tensor and view of the storage, autograd's saved ones included, sees the new address;
+    version counters do not move, so autograd accepts it.
+
+    Not relocatable, refused with InvalidArgumentError when named explicitly and left resident
+    when met as a saved tensor: storages that cannot be resized (from_blob, DLPack, shared
+    memory), storages on another device, and anything allocated while a CUDA graph is being
+    captured. Never give a session a tensor whose address something outside PyTorch operators
+    kept: a CUDA graph that replays it, an NCCL registration, a raw pointer handed to a
+    library. Those need the same address after paging: use the VMM-based LMS
+    (``set_enabled_lms``) or keep them out of the session.
+
+Note [Reading a paged-out tensor]
+    A paged-out storage has no device memory: its tensors point at nothing until an operator
+    under the session reads them, which pages them in first. Outside ``with session:`` (between
+    iterations, after an exception) parameters and optimizer state may be out: reading them
+    there reads address 0, a segmentation fault on the CPU and an illegal-address error on the
+    GPU. Do everything with them inside the block, or call ``fetch_all()`` first (which needs
+    them all to fit under the limit). ``close()`` does that too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _C
+from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
+
+__all__ = ["LmsSession", "lms_session"]
+
+MiB = 1 << 20
+DEFAULT_MIN_BYTES = 1 * MiB
+DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
+OOM_RETRIES = 4
+_ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def lms_session(
+    limit: int,
+    modules: Iterable[torch.nn.Module] = (),
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    *,
+    device: torch.device | str | int | None = None,
+    budget: int | None = None,
+    prefetch_depth: int | None = None,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+) -> LmsSession:
+    """A session that trains ``modules`` with ``optimizers`` under ``limit`` bytes of device memory.
+
+    ``budget`` (default ``limit - limit / 8``) is what the managed storages may hold on the device
+    together; it drops by itself when an operator runs out of memory. ``prefetch_depth``: how
+    many operators ahead the previous iteration's trace is read for prefetching (default 64,
+    0: off). ``min_bytes``: smaller storages are never managed (default 1 MiB).
+    """
+    return LmsSession(
+        limit,
+        modules,
+        optimizers,
+        device=device,
+        budget=budget,
+        prefetch_depth=prefetch_depth,
+        min_bytes=min_bytes,
+    )
+
+
+class _Entry:
+    """One managed storage: how to reach it and, while it is out, its host copy."""
+
+    __slots__ = ("host", "in_event", "nbytes", "out_event", "saved_refs", "strong", "weak")
+
+    def __init__(self, storage: torch.UntypedStorage, persistent: bool) -> None:
+        self.strong = storage if persistent else None
+        self.weak = None if persistent else storage._weak_ref()
+        self.nbytes = storage.nbytes()
+        self.host: torch.Tensor | None = None
+        self.out_event: torch.cuda.Event | None = None  # the copy to the host is done
+        self.in_event: torch.cuda.Event | None = None  # a prefetch's copy back is done
+        self.saved_refs = 0
+
+    def storage(self) -> torch.UntypedStorage | None:
+        if self.strong is not None:
+            return self.strong
+        if torch.UntypedStorage._expired(self.weak):
+            return None
+        return torch.UntypedStorage._new_with_weak_ptr(self.weak)
+
+    def forget(self) -> None:
+        if self.weak is not None:
+            torch.UntypedStorage._free_weak_ref(self.weak)
+            self.weak = None
+        self.strong = None
+        self.host = None
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor: the tensor, and the session's claim on it."""
+
+    __slots__ = ("__weakref__", "block", "session", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, session: LmsSession, block: int) -> None:
+        self.tensor = tensor
+        self.session = session
+        self.block = block
+
+    def __del__(self) -> None:
+        session = self.session
+        if session is not None:
+            session._release_saved(self.block, self.tensor)
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _requested_bytes(error: BaseException) -> int:
+    match = _ALLOCATION.search(str(error))
+    return int(float(match.group(1)) * _UNITS[match.group(2)]) if match else 0
+
+
+class _Dispatch(TorchDispatchMode):
+    """Before each operator: the planner's page-outs, page-ins and prefetches; after an
+    out-of-memory error in an operator that writes none of its inputs, more room and a retry."""
+
+    def __init__(self, session: LmsSession) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        session = self.session
+        if session._busy:
+            return func(*args, **kwargs)
+        ids = session._input_ids(args, kwargs)
+        if getattr(func, "is_view", False):
+            # Reads nothing, but PyTorch checks the view's bounds against the storage.
+            if session._out and not session._out.isdisjoint(ids):
+                session._bring_in(ids)
+            return func(*args, **kwargs)
+        if ids:
+            session._before(ids)
+        result = session._run(func, args, kwargs, ids)
+        if session._in_optimizer_step:
+            session._adopt_outputs(result)
+        return result
+
+
+class LmsSession:
+    """See the module's docstring. One device; use it from the thread that trains."""
+
+    def __init__(
+        self,
+        limit: int,
+        modules: Iterable[torch.nn.Module] = (),
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        *,
+        device: torch.device | str | int | None = None,
+        budget: int | None = None,
+        prefetch_depth: int | None = None,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+    ) -> None:
+        if limit <= 0:
+            raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
+        if budget is not None and not 0 < budget <= limit:
+            raise InvalidArgumentError(
+                f"lms_session: the budget must be > 0 and <= the limit ({limit}), got {budget}"
+            )
+        if min_bytes < 1:
+            raise InvalidArgumentError(f"lms_session: min_bytes must be >= 1, got {min_bytes}")
+        if prefetch_depth is not None and prefetch_depth < 0:
+            raise InvalidArgumentError(
+                f"lms_session: prefetch_depth must be >= 0, got {prefetch_depth}"
+            )
+        self.device = _resolve_device(device)
+        self.limit = int(limit)
+        self.min_bytes = int(min_bytes)
+        self._cuda = self.device.type == "cuda"
+        self._planner = _C.RelocationPlanner(
+            int(budget) if budget is not None else limit - limit // DEFAULT_RESERVE_DIVISOR
+        )
+        if prefetch_depth is not None:
+            self._planner.prefetch_depth = prefetch_depth
+        self._entries: dict[int, _Entry] = {}
+        self._landing: dict[int, torch.cuda.Event] = {}  # prefetched, not waited for yet
+        self._out: set[int] = set()  # blocks paged out
+        self._busy = False  # our own operators pass straight through
+        self._in_optimizer_step = False
+        self._active = False
+        self._closed = False
+        self._context: list[Any] = []
+        self._handles: list[Any] = []
+        self._optimizers = list(optimizers)
+        self._oom_retries = 0
+        self._skipped_saved = 0
+        self._saved_managed = 0
+        self._previous_fraction: float | None = None
+        if self._cuda:
+            self._out_stream = torch.cuda.Stream(self.device)
+            self._in_stream = torch.cuda.Stream(self.device)
+            self._limit_allocator()
+        for module in modules:
+            for name, parameter in module.named_parameters():
+                if parameter.device == self.device and parameter.nbytes >= self.min_bytes:
+                    self._add(parameter, persistent=True, what=f"parameter {name!r}")
+                    self._handles.append(
+                        parameter.register_post_accumulate_grad_hook(self._adopt_gradient)
+                    )
+        for optimizer in self._optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
+            self._adopt_optimizer_state(optimizer)
+
+    # -- the training block --------------------------------------------------------------------
+
+    def __enter__(self) -> LmsSession:
+        if self._closed:
+            raise InvalidStateError("lms_session: this session is closed")
+        if self._active:
+            raise InvalidStateError("lms_session: already inside this session's block")
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        # Backward on the calling thread, so its operators pass through the dispatch mode.
+        threads = torch.autograd.set_multithreading_enabled(False)
+        self._context = [threads, hooks, _Dispatch(self)]
+        for context in self._context:
+            context.__enter__()
+        self._active = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._active = False
+        for context in reversed(self._context):
+            context.__exit__(*exc_info)
+        self._context = []
+        self._in_optimizer_step = False
+        self._sweep()
+        for optimizer in self._optimizers:
+            self._adopt_optimizer_state(optimizer)
+        self._planner.end_iteration()
+
+    # -- public ----------------------------------------------------------------------------
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Manage these tensors' storages too, for as long as they live."""
+        for t in tensors:
+            self._add(t, persistent=True, what="tensor")
+
+    def fetch_all(self) -> None:
+        """Page every managed storage back in (they must fit under the limit together)."""
+        self._sweep()
+        with self._own_operators():
+            for block in self._planner.bring_all_in():
+                self._page_in(block, prefetch=False)
+            self._wait_landing(list(self._landing))
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Everything back on the device, hooks removed, the allocator's limit lifted."""
+        if self._closed:
+            return
+        if self._active:
+            raise InvalidStateError("lms_session.close(): leave the session's block first")
+        self.fetch_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for entry in self._entries.values():
+            entry.forget()
+        self._entries.clear()
+        if self._cuda and self._previous_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+        self._closed = True
+
+    def stats(self) -> dict[str, int]:
+        """The planner's counters (bytes and counts of page-outs, page-ins and prefetches,
+        prefetch hits and waste, budget, resident and registered bytes) and the session's own:
+        oom_retries (operators run again after making room), saved_managed (tensors autograd
+        saved that the session took on), skipped_saved (saved tensors left resident: Note [What
+        the session relocates])."""
+        out = dict(self._planner.counters())
+        out["oom_retries"] = self._oom_retries
+        out["saved_managed"] = self._saved_managed
+        out["skipped_saved"] = self._skipped_saved
+        out["limit_bytes"] = self.limit
+        return out
+
+    # -- registration ------------------------------------------------------------------------
+
+    def _eligible(self, t: torch.Tensor) -> str | None:
+        """Why `t`'s storage cannot be managed, or None."""
+        if t.device != self.device:
+            return f"it is on {t.device}, the session on {self.device}"
+        storage = t.untyped_storage()
+        if not storage.resizable():
+            return "its storage cannot be resized (from_blob, DLPack or shared memory)"
+        if storage.nbytes() < self.min_bytes:
+            return f"its storage has {storage.nbytes()} bytes, under min_bytes={self.min_bytes}"
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            return "a CUDA graph is being captured"
+        return None
+
+    def _add(self, t: torch.Tensor, persistent: bool, what: str) -> int:
+        why = self._eligible(t)
+        if why is not None:
+            raise InvalidArgumentError(f"lms_session: cannot manage {what}: {why}")
+        block = _storage_id(t)
+        if block not in self._entries:
+            self._entries[block] = _Entry(t.untyped_storage(), persistent)
+            self._planner.add(block, self._entries[block].nbytes, persistent)
+        return block
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._busy or torch._C._current_graph_task_id() != -1:
+            return t  # recomputation during backward: short-lived, never paged
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != self.device:
+            return t  # subclasses (DTensor, fake tensors) and other devices stay as they are
+        if t.layout != torch.strided or self._eligible(t) is not None:
+            self._skipped_saved += 1
+            return t
+        block = _storage_id(t)
+        entry = self._entries.get(block)
+        if entry is None:
+            entry = self._entries[block] = _Entry(t.untyped_storage(), persistent=False)
+            self._planner.add(block, entry.nbytes, False)
+        entry.saved_refs += 1
+        self._saved_managed += 1
+        # Detached: a saved output holding itself (and so its grad_fn) would be a cycle that
+        # only the garbage collector frees.
+        return _Saved(t.detach(), self, block)
+
+    def _release_saved(self, block: int, t: torch.Tensor) -> None:
+        entry = self._entries.get(block)
+        if entry is None or self._closed:
+            return
+        entry.saved_refs -= 1
+        if entry.saved_refs > 0 or entry.strong is not None:
+            return
+        # The last saved copy goes; anything else still holding the storage keeps it (with its
+        # bytes back in place if they were out), otherwise it dies with `t`.
+        if self._planner.is_out(block) and torch._C._storage_Use_Count(entry.weak) > 1:
+            with self._own_operators():
+                self._page_in(block, prefetch=False)
+        self._drop(block)
+
+    def _adopt_gradient(self, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if (
+            grad is not None
+            and _storage_id(grad) not in self._entries
+            and self._eligible(grad) is None
+        ):
+            self._add(grad, persistent=False, what="gradient")
+
+    def _optimizer_starts(self, *_: object) -> None:
+        self._in_optimizer_step = self._active
+
+    def _optimizer_ends(self, *_: object) -> None:
+        self._in_optimizer_step = False
+
+    def _adopt_outputs(self, result: object) -> None:
+        """Inside an optimizer's step: what it allocates (its state, the first time) is managed
+        at once, so a first step larger than the limit can still run."""
+        for t in result if isinstance(result, (list, tuple)) else (result,):
+            if (
+                type(t) is torch.Tensor
+                and t.layout == torch.strided
+                and _storage_id(t) not in self._entries
+                and self._eligible(t) is None
+            ):
+                self._add(t, persistent=False, what="optimizer output")
+
+    def _adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if not isinstance(value, torch.Tensor) or self._eligible(value) is not None:
+                    continue
+                block = _storage_id(value)
+                entry = self._entries.get(block)
+                if entry is None:
+                    self._add(value, persistent=True, what="optimizer state")
+                elif entry.strong is None:  # allocated during a step: it stays for good
+                    entry.strong = value.untyped_storage()
+                    self._planner.make_persistent(block)
+
+    def _sweep(self) -> None:
+        """Forget storages that died (gradients set to None, optimizer temporaries)."""
+        dead = [
+            block
+            for block, entry in self._entries.items()
+            if entry.strong is None and entry.saved_refs == 0 and entry.storage() is None
+        ]
+        for block in dead:
+            self._drop(block)
+
+    def _drop(self, block: int) -> None:
+        entry = self._entries.pop(block)
+        self._planner.remove(block)
+        self._landing.pop(block, None)
+        self._out.discard(block)
+        entry.forget()
+
+    # -- moving bytes --------------------------------------------------------------------------
+
+    def _input_ids(self, args: tuple, kwargs: dict) -> list[int]:
+        ids: list[int] = []
+        device = self.device
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.device == device:
+                    ids.append(value.untyped_storage()._cdata)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item.device == device:
+                        ids.append(item.untyped_storage()._cdata)
+        return ids
+
+    def _before(self, ids: list[int]) -> None:
+        plan = self._planner.before_use(ids)
+        if plan is not None:
+            self._carry_out(plan, ids)
+        if self._landing:
+            self._wait_landing(ids)
+
+    def _bring_in(self, ids: list[int]) -> None:
+        plan = self._planner.bring_in(ids)
+        if plan is not None:
+            self._carry_out(plan, ids)
+        if self._landing:
+            self._wait_landing(ids)
+
+    def _carry_out(self, plan: tuple[list[int], list[int], list[int]], ids: list[int]) -> None:
+        page_out, page_in, prefetch = plan
+        with self._own_operators():
+            for block in page_out:
+                self._page_out(block)
+            for block in page_in:
+                self._page_in_making_room(block, ids)
+            for block in prefetch:
+                self._page_in(block, prefetch=True)
+
+    def _wait_landing(self, ids: list[int]) -> None:
+        current = torch.cuda.current_stream(self.device) if self._cuda else None
+        for block in ids:
+            event = self._landing.pop(block, None)
+            if event is not None and current is not None:
+                current.wait_event(event)
+
+    def _page_out(self, block: int) -> None:
+        entry = self._entries.get(block)  # a saved tensor's release may have dropped it since
+        storage = entry.storage() if entry is not None else None
+        if storage is None:  # died since: nothing to move
+            if entry is not None:
+                self._drop(block)
+            return
+        if storage.nbytes() != entry.nbytes:
+            raise InvalidStateError(
+                f"lms_session: a managed storage changed size from {entry.nbytes} to "
+                f"{storage.nbytes()} bytes outside the session; resizing managed storages "
+                "is not supported"
+            )
+        device_bytes = _byte_view(storage)
+        if self._cuda:
+            stream = self._out_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after its last use
+            landing = self._landing.pop(block, None)
+            if landing is not None:
+                stream.wait_event(landing)
+            with torch.cuda.stream(stream):
+                host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+                host.copy_(device_bytes, non_blocking=True)
+                entry.out_event = stream.record_event()
+            device_bytes.record_stream(stream)  # the block is reused only after the copy
+        else:
+            host = device_bytes.clone()
+        entry.host = host
+        del device_bytes
+        storage.resize_(0)
+        self._out.add(block)
+
+    def _page_in_making_room(self, block: int, ids: list[int]) -> None:
+        for attempt in range(OOM_RETRIES + 1):
+            try:
+                self._page_in(block, prefetch=False)
+                return
+            except torch.OutOfMemoryError as error:
+                if attempt == OOM_RETRIES:
+                    raise OutOfMemoryError(self._no_room(error, ids)) from error
+                self._make_room(_requested_bytes(error), ids)
+
+    def _page_in(self, block: int, prefetch: bool) -> None:
+        entry = self._entries.get(block)
+        storage = entry.storage() if entry is not None else None
+        if storage is None:
+            if entry is not None:
+                self._drop(block)
+            return
+        storage.resize_(entry.nbytes)  # a fresh block, on the current stream, wherever it fits
+        device_bytes = _byte_view(storage)
+        if self._cuda:
+            current = torch.cuda.current_stream(self.device)
+            if prefetch:
+                stream = self._in_stream
+                stream.wait_stream(current)  # the fresh block may be memory still in use there
+            else:
+                stream = current
+            if entry.out_event is not None:
+                stream.wait_event(entry.out_event)
+            with torch.cuda.stream(stream):
+                device_bytes.copy_(entry.host, non_blocking=True)
+                if prefetch:
+                    self._landing[block] = stream.record_event()
+            if prefetch:
+                device_bytes.record_stream(stream)
+        else:
+            device_bytes.copy_(entry.host)
+        entry.host = None
+        entry.out_event = None
+        self._out.discard(block)
+
+    # -- out of memory ---------------------------------------------------------------------
+
+    def _run(self, func, args: tuple, kwargs: dict, ids: list[int]) -> Any:
+        for attempt in range(OOM_RETRIES + 1):
+            try:
+                return func(*args, **kwargs)
+            except torch.OutOfMemoryError as error:
+                # An operator that writes an input may have written part of it: never run again.
+                if func._schema.is_mutable or attempt == OOM_RETRIES:
+                    raise OutOfMemoryError(self._no_room(error, ids, func)) from error
+                self._oom_retries += 1
+                with self._own_operators():
+                    self._make_room(_requested_bytes(error), ids)
+
+    def _make_room(self, nbytes: int, ids: list[int]) -> None:
+        wanted = max(nbytes, self.limit // 32)
+        victims = self._planner.make_room(wanted, ids)
+        for block in victims:
+            self._page_out(block)
+        if self._cuda:
+            # The victims' blocks are free once their copies are done; PyTorch's retry after a
+            # failed allocation waits for those events and gives cached blocks back.
+            self._out_stream.synchronize()
+            torch.cuda.empty_cache()
+
+    def _no_room(self, error: BaseException, ids: list[int], func: object = None) -> str:
+        counters = self._planner.counters()
+        return (
+            f"lms_session: out of memory under the limit of {self.limit} bytes"
+            + (f" running {func}" if func is not None else " paging in")
+            + f" ({counters['resident_bytes']} bytes of managed storages resident, budget "
+            f"{counters['budget_bytes']}, {len(ids)} inputs); {error}"
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _own_operators(self) -> _Busy:
+        return _Busy(self)
+
+    def _limit_allocator(self) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.limit > total:
+            raise InvalidArgumentError(
+                f"lms_session: the limit {self.limit} is more than {self.device}'s {total} bytes"
+            )
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        self._previous_fraction = float(getter(self.device)) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(self.limit / total, self.device)
+
+
+class _Busy:
+    """Marks the session's own operators, which the dispatch mode passes through."""
+
+    __slots__ = ("session", "was")
+
+    def __init__(self, session: LmsSession) -> None:
+        self.session = session
+
+    def __enter__(self) -> None:
+        self.was = self.session._busy
+        self.session._busy = True
+
+    def __exit__(self, *_: object) -> None:
+        self.session._busy = self.was
+
+
+def _unpack(saved: Any) -> Any:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
