@@ -1,10 +1,10 @@
-"""Oversubscription training: GPT-2 under 1/2 and 1/3 of its working set, LMS against peers.
+"""Oversubscription training: GPT-2 under 1/2, 1/3 and 1/4 of its working set, LMS against peers.
 
 LMS (torch_uvm_saver's Large Model Support) against what a user would pick instead.
 
 Two regimes, each a Hugging Face transformers GPT-2 built from a config (no download), AdamW
 (lr 1e-4), bf16 autocast, one fixed batch of random token ids (fixed seed) with labels = inputs,
-GPT2Config's dropout, use_cache=False, no gradient checkpointing:
+GPT2Config's dropout, use_cache=False, model.train():
 
   activation  GPT-2 medium (24 layers x 1024, 16 heads, 355M parameters), batch 8 x 1024
               tokens: activations dominate the working set
@@ -13,86 +13,129 @@ GPT2Config's dropout, use_cache=False, no gradient checkpointing:
 
 The unconstrained run with PyTorch's allocator gives each regime's peak working set
 (max_memory_reserved over the training steps) and its step time; the limit is peak / R for each
-of --ratios (2 and 3: 2x and 3x oversubscription). Columns, each in a child process of its own
-(the global hooks must be installed before CUDA initializes):
+of --ratios (2, 3 and 4). Columns, in the order they run and are tabled (what the targets need
+first), each in a child process of its own (the global hooks must be installed before CUDA
+initializes, and no column's state may leak into the next):
 
   native             PyTorch's allocator, no limit: the reference (fused AdamW)
+  lms-v2             tus.lms_session(limit, modules=[model], optimizers=[optimizer]) with its
+                     defaults, on PyTorch's allocator (no global hook); each whole iteration
+                     (forward, backward, optimizer.step(), zero_grad(set_to_none=True),
+                     float(loss)) inside `with session:`, whose exit is the iteration boundary;
+                     fused AdamW in parameter groups of at most 256 MiB (one group's kernel must
+                     fit under the limit); session.close() after the last step
+  lms-v2-ckpt        the same + the gradient checkpointing of `checkpointing`
+  checkpointing      PyTorch's allocator, model.gradient_checkpointing_enable(
+                     gradient_checkpointing_kwargs={"use_reentrant": False}) (fused AdamW)
+  ckpt-save-on-cpu   checkpointing + torch.autograd.graph.save_on_cpu(pin_memory=True) around
+                     the forward (fused AdamW)
   lms-vmm            tus.set_enabled_lms(True), VMM backing, set_limit_lms(limit),
                      set_size_lms(--size-lms-mib), otherwise the library's defaults (speculative
                      page-out on, prefetch depth 32, headroom limit / 32);
                      tus.pin_parameters(model); lms_mode() around forward, backward and
-                     optimizer step; lms_step() after each step; fused AdamW in parameter
-                     groups of at most 256 MiB (one group's kernel fits under any limit tried)
-  lms-vmm-plain      the same with speculation and prefetch off
+                     optimizer step; lms_step() after each step; AdamW grouped as lms-v2's
+  save-on-cpu        PyTorch's allocator + save_on_cpu(pin_memory=True) around the forward
+                     (fused AdamW)
+  fsdp2-cpu-offload  FSDP2 fully_shard (each GPT2Block, then the root) with CPUOffloadPolicy on
+                     a one-process NCCL group; AdamW (defaults) steps on the CPU
+  lms-vmm-plain      lms-vmm with speculation and prefetch off
   lms-managed        LMS on managed memory (set_backing_lms("managed")), otherwise as lms-vmm
   managed-budget     tus.set_enabled_uvm(True) + set_device_budget(limit): every allocation
                      managed, no hints (fused AdamW)
-  save-on-cpu        PyTorch's allocator + torch.autograd.graph.save_on_cpu(pin_memory=True)
-                     around the forward (fused AdamW)
-  fsdp2-cpu-offload  FSDP2 fully_shard (each GPT2Block, then the root) with CPUOffloadPolicy on
-                     a one-process NCCL group; AdamW (defaults) steps on the CPU
-The last two are the peers. They do not depend on the limit: they run once per regime and are
-compared with every limit; a column "fits" when its peak is at most the limit (1% slack).
+The peers, checkpointing, ckpt-save-on-cpu, save-on-cpu and fsdp2-cpu-offload, do not depend on
+the limit: they run once per regime and are compared with every limit; a column "fits" when its
+peak is at most the limit (1% slack). The others run once per (regime, ratio) under its limit.
+--no-limit-columns lms-v2,lms-v2-ckpt also runs those once per regime with the whole device as
+the limit, for the "no limit" overhead (step time over native's, or checkpointing's for
+lms-v2-ckpt); none by default.
 
 Each child reports the median step time of --steps steps after --warmup (a device synchronize
-around each step), tokens/s (batch x seq / step), its peak device memory and the bytes moved per
-step over the timed steps:
-  lms-*              (pageout_bytes + pagein_bytes) / steps, from tus.memory_stats()
+around each step), tokens/s (batch x seq / step), its peak device memory, the loss of every step
+(warm-up included) and the bytes moved per step over the timed steps:
+  lms-v2(-ckpt)      (pageout_bytes + pagein_bytes) / steps, the delta of session.stats() over
+                     the timed steps; also oom_retries' delta and the last stats() whole
+  lms-vmm(-plain),   (pageout_bytes + pagein_bytes) / steps, from tus.memory_stats()
+  lms-managed
   managed-budget     (prefetch_to_host_bytes + prefetch_to_device_bytes) / steps: the budget's
                      prefetches only; pages the driver migrates on faults are not counted
-  save-on-cpu        2 x the bytes its pack hook copied to the host (out in forward, back in
+  (ckpt-)save-on-cpu 2 x the bytes its pack hook copied to the host (out in forward, back in
                      backward), counted over the timed steps
   fsdp2-cpu-offload  estimated: 2 x fp32 parameter bytes (copied to the GPU for forward and again
                      for backward) + gradient bytes (to the host)
-Peak device memory: torch.cuda.max_memory_reserved() for PyTorch's allocator, tus
-"reserved_bytes.all.peak" for ours (for managed memory: the managed bytes placed on the GPU),
-from after the model and optimizer are set up to the last step.
+Peak device memory: torch.cuda.max_memory_reserved() for PyTorch's allocator (native, the peers
+and the lms-v2 columns), tus "reserved_bytes.all.peak" for the global hook (for managed memory:
+the managed bytes placed on the GPU), from after the model, optimizer (and session) are set up
+to the last step.
 
-The link-bound ideal of (regime, R): step = max(unconstrained step, bytes that must move /
-pinned bandwidth). Assumptions: the bytes that must move are 2 x (peak - limit) per step (the
-excess over the limit goes out and comes back once a step), and the bandwidth is the harmonic
-mean of a pinned copy_ host to device and device to host measured in the same run (--bandwidth-gib
-each way, median of 5), i.e. the two directions do not overlap.
+Ideal (oversub_report.ASSUMPTIONS): a column's ideal step at (regime, R) is max(the fastest
+unconstrained configuration that its technique allows, bytes that must move / duplex link
+bandwidth measured in the same run). The unconstrained reference is the checkpointing column's
+run for lms-v2-ckpt, checkpointing and ckpt-save-on-cpu, native's for the others; the bytes that
+must move are out = in = max(0, reference peak - limit) a step (2 x that in all), and as out and
+in overlap the link time is max(out / d2h, in / h2d), with the pinned copy_ bandwidth of each
+direction measured alone (--bandwidth-gib each way, median of 5). The bandwidth child also
+times both directions at once, to show how far the overlap holds. The earlier ideal, max(native
+step, 2 x (peak - limit) / the harmonic mean of h2d and d2h: no overlap), is kept in the JSON and
+the report as the "half-duplex ideal"; the targets do not use it.
 
-Targets (the oversubscription issue), judged on lms-vmm:
-  2x: tokens/s >= 0.8 x the ideal's, and >= 2.5 x the best peer whose peak fits the limit;
-  3x: more tokens/s than every peer whose peak fits.
-When no peer fits, the peer part is met (nothing else trains under that limit); the table says so.
+Targets (the oversubscription issue), judged on the faster of lms-v2 and lms-v2-ckpt whose peak
+fits (the faster that ran when neither fits), named in the report:
+  activation 2x      tokens/s >= checkpointing's, when checkpointing fits (met when it does not)
+  activation 3x, 4x  tokens/s >= 0.8 x its ideal's, and more than every peer that fits (met when
+                     none fits)
+  state 2x, 3x       tokens/s >= 0.8 x its ideal's, and >= 3 x fsdp2-cpu-offload's
+  and in each:       peak <= limit, and losses within bf16 noise of native's: max |loss - native
+                     loss| over the step indices both ran <= 0.02
+state 4x is reported, not judged. The report also lists each column's max |loss - native|, and
+the "no limit" overhead where such a run exists.
 
-    python benchmarks/bench_oversubscription.py [--regimes activation,state] [--ratios 2,3]
-        [--columns native,lms-vmm,lms-vmm-plain,lms-managed,managed-budget,save-on-cpu,
-        fsdp2-cpu-offload] [--steps 6] [--warmup 2] [--seq 1024] [--activation-batch 8]
-        [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1] [--bandwidth-gib 2]
-        [--child-timeout 600]
-        [--child-target-s 240] [--time-budget 1500] [--out FILE] [--merge] [--skip-bandwidth]
-        [--plot FILE] [--report-only] [--strict]
+    python benchmarks/bench_oversubscription.py [--regimes activation,state] [--ratios 2,3,4]
+        [--columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu,lms-vmm,
+        save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain,lms-managed,managed-budget]
+        [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--seq 1024]
+        [--activation-batch 8] [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1]
+        [--bandwidth-gib 2] [--child-timeout 600] [--child-target-s 240] [--time-budget 1500]
+        [--out FILE] [--merge] [--skip-bandwidth] [--plot FILE] [--report-only] [--strict]
 
-Order: the bandwidth child, each regime's native run, then lms-vmm, the peers, lms-vmm-plain,
-lms-managed and managed-budget (every regime and ratio of one column before the next column), so
-that what the targets need comes first. A child that would start with less than 90 s of
---time-budget left is skipped (and named, with the command that runs what is missing); a child
-is killed after min(--child-timeout, time left), and one whose steps are slow times fewer of them
-(at least 2) to end within --child-target-s.
+Order: the bandwidth child, each regime's native run, then the columns in the order above
+(every regime and ratio of one column before the next column), then the "no limit" runs. A
+child that would start with less than 90 s of --time-budget left is skipped (and named, with the
+command that runs what is missing); a child is killed after min(--child-timeout, time left), and
+one whose steps are slow times fewer of them (at least 2) to end within --child-target-s.
 
-Measured on an H200 with --steps 4 --warmup 2 --child-target-s 60: the activation regime took
-5 min 13 s, the state regime 5 min 20 s (each within one --time-budget 540 invocation). The
-default --steps 6 adds about a third.
+Measured on an H200 with --steps 4 --warmup 2 --child-target-s 60, before the lms-v2, checkpointing
+and 4x runs existed: native, the four lms-vmm/managed columns at 2x and 3x and the two old peers
+took 5 min 13 s for the activation regime and 5 min 20 s for the state regime, about 30 s a
+child. The new columns are not measured yet; count on about 30-40 s a child.
 
 The device runs one command for at most 10 minutes, and $OUT starts empty each time: run it in
 parts that merge into one JSON. The JSON is rewritten after every child, so a part cut short
 keeps what it finished. Parts after the first leave native out of --columns to reuse the peak
-in the JSON (a regime without a usable native result runs native first anyway):
+in the JSON (a regime without a usable native result runs native first anyway). Parts 1 and 2
+hold what the targets need (native, lms-v2, lms-v2-ckpt, checkpointing, ckpt-save-on-cpu; the
+state targets also need fsdp2-cpu-offload), the rest the other columns:
 
     # part 1 (the files from $OUT come back; put oversub.json in the tree as P, e.g.
-    # benchmarks/results/oversub_partial.json, before part 2)
-    python benchmarks/bench_oversubscription.py --regimes activation --time-budget 540 \\
-        --out $OUT/oversub.json
-    # part 2, then part 3 the same way from part 2's JSON
+    # benchmarks/results/oversub_partial.json, before the next part)
+    python benchmarks/bench_oversubscription.py --regimes activation --steps 4 \\
+        --child-target-s 60 --time-budget 540 --out $OUT/oversub.json \\
+        --columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu
+    # part 2, and each later part the same way from the previous part's JSON
     cp P $OUT/oversub.json && python benchmarks/bench_oversubscription.py --regimes state \\
-        --columns native,lms-vmm,save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain \\
-        --time-budget 540 --out $OUT/oversub.json --merge
-    cp P $OUT/oversub.json && python benchmarks/bench_oversubscription.py --regimes state \\
-        --columns lms-managed,managed-budget --time-budget 540 --out $OUT/oversub.json --merge
+        --steps 4 --child-target-s 60 --time-budget 540 --out $OUT/oversub.json --merge \\
+        --columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu,fsdp2-cpu-offload
+    # part 3 (activation), then part 4 with --regimes state and without fsdp2-cpu-offload
+    cp P $OUT/oversub.json && python benchmarks/bench_oversubscription.py --regimes activation \\
+        --steps 4 --child-target-s 60 --time-budget 540 --out $OUT/oversub.json --merge \\
+        --columns lms-vmm,save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain
+    # part 5 (activation), then part 6 with --regimes state
+    cp P $OUT/oversub.json && python benchmarks/bench_oversubscription.py --regimes activation \\
+        --steps 4 --child-target-s 60 --time-budget 540 --out $OUT/oversub.json --merge \\
+        --columns lms-managed,managed-budget
+    # optional: the "no limit" overhead (--columns '' runs nothing else)
+    cp P $OUT/oversub.json && python benchmarks/bench_oversubscription.py --steps 4 \\
+        --child-target-s 60 --time-budget 540 --out $OUT/oversub.json --merge --columns '' \\
+        --no-limit-columns lms-v2,lms-v2-ckpt
 A part that runs out of --time-budget names what it skipped and prints the command that runs
 it. --report-only prints the table of --out and redraws its plot without running anything.
 
@@ -103,8 +146,10 @@ removed from the children's environment and never set; NCCL_NVLS_ENABLE=0.
 
 Writes benchmarks/results/oversubscription_<device>.json (device, torch and transformers
 versions, date, every child's samples, the analysis) and a plot of tokens/s per column beside it
-(.png, or --plot), and prints a table last. Exits 0 unless --strict, which exits 1 when a child
-failed or a target failed.
+(.png, or --plot), and prints last a table per regime and ratio: column, step s, tokens/s, ratio
+to its ideal, peak GiB, fits, GB moved a step, max |loss - native| and which column wins
+(before it: who wins and why, the losses, the "no limit" overhead and the targets). Exits 0
+unless --strict, which exits 1 when a child failed or a target is not PASS.
 """
 
 from __future__ import annotations
@@ -120,14 +165,12 @@ from pathlib import Path
 
 from _bench_common import default_output, log, run_marked_child, utc_now, write_json
 from oversub_child import (
-    BUDGET,
     COLUMNS,
-    FSDP,
     MARK,
     NATIVE,
     PEERS,
     REGIMES,
-    SAVE_ON_CPU,
+    V2_COLUMNS,
     VOCAB,
     child,
     gib,
@@ -145,8 +188,8 @@ from oversub_report import (
 # What runs inside a child is in oversub_child.py, the reporting in oversub_report.py; this file
 # parses the command line, runs the children in order under the time budget and keeps the JSON.
 
-# The order children run in: what the targets need first.
-PRIORITY = ("lms-vmm", SAVE_ON_CPU, FSDP, "lms-vmm-plain", "lms-managed", BUDGET)
+# The order children run in after native: that of the table, what the targets need first.
+PRIORITY = tuple(column for column in COLUMNS if column != NATIVE)
 MIN_CHILD_S = 90.0  # no child starts with less of the time budget left
 CHILD_RESERVE_S = 20.0  # a child's deadline leaves this much of its timeout for reporting
 
@@ -196,11 +239,19 @@ def new_data() -> dict:
 class Runner:
     """Runs the children in order under the time budget and keeps the JSON up to date."""
 
-    def __init__(self, args, regimes: list[str], ratios: list[float], columns: list[str]):
+    def __init__(
+        self,
+        args,
+        regimes: list[str],
+        ratios: list[float],
+        columns: list[str],
+        no_limit: list[str],
+    ) -> None:
         self.args = args
         self.regimes = regimes
         self.ratios = ratios
         self.columns = columns
+        self.no_limit = no_limit
         self.start = time.monotonic()
         self.env = child_env()
         self.out: Path | None = args.out
@@ -249,6 +300,7 @@ class Runner:
                 "state_batch",
                 "pin_parameters",
                 "size_lms_mib",
+                "no_limit_columns",
                 "bandwidth_gib",
                 "child_timeout",
                 "child_target_s",
@@ -263,6 +315,7 @@ class Runner:
                 "regimes": self.regimes,
                 "ratios": self.ratios,
                 "columns": self.columns,
+                "no_limit_columns": self.no_limit,
             }
         )
         for regime in self.regimes:
@@ -418,6 +471,14 @@ class Runner:
                     peak = int(native["peak_bytes"])
                     result = self.launch(column, regime, ratio, int(peak / ratio), peak)
                     self.store(key, result)
+        # Last, the "no limit" runs: limit 0 makes the child use the whole device.
+        for column in self.no_limit:
+            for regime in self.regimes:
+                native = self.native(regime)
+                peak = native["peak_bytes"] if native else 0
+                self.store(
+                    run_key(regime, None, column), self.launch(column, regime, None, 0, peak)
+                )
 
     def rerun_hint(self) -> list[str]:
         lines = []
@@ -425,8 +486,11 @@ class Runner:
             mine = [(ratio, column) for r, ratio, column in self.skipped if r == regime]
             if not mine:
                 continue
-            columns = [c for c in COLUMNS if any(column == c for _, column in mine)]
-            ratios = sorted({ratio for ratio, column in mine if ratio is not None}) or self.ratios
+            # An lms-v2 column skipped without a ratio was a "no limit" run.
+            no_limit = [c for ratio, c in mine if ratio is None and c in V2_COLUMNS]
+            limited = [(ratio, c) for ratio, c in mine if c not in no_limit or ratio is not None]
+            columns = [c for c in COLUMNS if any(column == c for _, column in limited)]
+            ratios = sorted({ratio for ratio, _ in limited if ratio is not None}) or self.ratios
             command = [
                 "python",
                 "benchmarks/bench_oversubscription.py",
@@ -440,6 +504,8 @@ class Runner:
                 str(self.out),
                 "--merge",
             ]
+            if no_limit:
+                command += ["--no-limit-columns", ",".join(no_limit)]
             lines.append(shlex.join(command))
         return lines
 
@@ -457,7 +523,13 @@ def parent(args) -> int:
     if args.report_only:
         return report_only(args)
     regimes = parse_list(args.regimes, tuple(REGIMES), "regimes")
-    columns = parse_list(args.columns, COLUMNS, "columns")
+    no_limit = []
+    if args.no_limit_columns:
+        no_limit = parse_list(args.no_limit_columns, V2_COLUMNS, "no-limit-columns")
+    # --columns '' with --no-limit-columns runs only those (and native when the JSON lacks it).
+    columns = []
+    if args.columns.strip() or not no_limit:
+        columns = parse_list(args.columns, COLUMNS, "columns")
     try:
         ratios = sorted({float(r) for r in args.ratios.split(",") if r.strip()})
     except ValueError as error:
@@ -466,10 +538,11 @@ def parent(args) -> int:
         raise SystemExit("--ratios: each ratio must be above 1 (2 = a limit of half the peak)")
     if args.skip_bandwidth and not (args.merge and args.out):
         raise SystemExit("--skip-bandwidth reuses the bandwidth of --out: give --out and --merge")
-    runner = Runner(args, regimes, ratios, columns)
+    runner = Runner(args, regimes, ratios, columns, no_limit)
     print(
         f"regimes {', '.join(regimes)}; ratios {', '.join(f'{r:g}' for r in ratios)}; "
-        f"columns {', '.join(columns)}; {args.warmup} + {args.steps} steps a child; "
+        f"columns {', '.join(columns)}; no limit {', '.join(no_limit) or 'none'}; "
+        f"{args.warmup} + {args.steps} steps a child; "
         f"time budget {args.time_budget:.0f} s",
         flush=True,
     )
@@ -496,8 +569,16 @@ def parent(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regimes", default="activation,state", help="activation,state")
-    parser.add_argument("--ratios", default="2,3", help="oversubscription ratios (limit = peak/R)")
+    parser.add_argument(
+        "--ratios", default="2,3,4", help="oversubscription ratios (limit = peak/R)"
+    )
     parser.add_argument("--columns", default=",".join(COLUMNS), help=", ".join(COLUMNS))
+    parser.add_argument(
+        "--no-limit-columns",
+        default="",
+        help="also run these of " + ", ".join(V2_COLUMNS) + " once per regime with the whole "
+        "device as the limit (the 'no limit' overhead); none by default",
+    )
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per child")
     parser.add_argument("--warmup", type=int, default=2, help="training steps before timing")
     parser.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,14 @@ the model, trains with the column's setup (train) or measures the pinned copy_ b
 
 Also holds what the three files share: the regimes and the names of the columns. What each column
 does and what is measured is described in the docstring of bench_oversubscription.py.
+
+The LMS v2 columns code against this contract of torch_uvm_saver (imported in the child only):
+    session = tus.lms_session(limit, modules=[model], optimizers=[optimizer])
+    with session: ...one whole training iteration...   # leaving the block ends the iteration
+    session.stats()  # pageout_bytes, pagein_bytes, pageout_count, pagein_count, oom_retries,
+                     # budget_bytes, registered_bytes, iterations
+    session.close()  # pages everything back in, removes its hooks
+It runs on PyTorch's own allocator: no global hook, nothing to install before CUDA initializes.
 """
 
 from __future__ import annotations
@@ -29,17 +37,24 @@ from _bench_common import GiB, MiB, log, summary, timed
 
 __all__ = [
     "BUDGET",
+    "CKPT",
+    "CKPT_COLUMNS",
+    "CKPT_SAVE_ON_CPU",
     "COLUMNS",
     "DEVICE",
     "FSDP",
     "LIMITED",
     "LMS_COLUMNS",
+    "LMS_V2",
+    "LMS_V2_CKPT",
     "MANAGED_COLUMNS",
     "MARK",
     "NATIVE",
     "PEERS",
     "REGIMES",
     "SAVE_ON_CPU",
+    "SESSION_KEYS",
+    "V2_COLUMNS",
     "VOCAB",
     "child",
     "describe",
@@ -72,16 +87,51 @@ REGIMES: dict[str, dict[str, Any]] = {
     },
 }
 NATIVE = "native"
-LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")
+LMS_V2 = "lms-v2"  # tus.lms_session on PyTorch's allocator
+LMS_V2_CKPT = "lms-v2-ckpt"  # the same + gradient checkpointing
+V2_COLUMNS = (LMS_V2, LMS_V2_CKPT)
+LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")  # the global LMS hook
 BUDGET = "managed-budget"
-LIMITED = (*LMS_COLUMNS, BUDGET)
+LIMITED = (*V2_COLUMNS, *LMS_COLUMNS, BUDGET)  # run once per ratio, under its limit
+CKPT = "checkpointing"
+CKPT_SAVE_ON_CPU = "ckpt-save-on-cpu"
 SAVE_ON_CPU = "save-on-cpu"
 FSDP = "fsdp2-cpu-offload"
-PEERS = (SAVE_ON_CPU, FSDP)
-COLUMNS = (NATIVE, *LIMITED, *PEERS)
+PEERS = (CKPT, CKPT_SAVE_ON_CPU, SAVE_ON_CPU, FSDP)  # no limit: once per regime
+CKPT_COLUMNS = (LMS_V2_CKPT, CKPT, CKPT_SAVE_ON_CPU)  # gradient_checkpointing_enable
+# The order of the table and of the runs: what the targets need first.
+COLUMNS = (
+    NATIVE,
+    LMS_V2,
+    LMS_V2_CKPT,
+    CKPT,
+    CKPT_SAVE_ON_CPU,
+    "lms-vmm",
+    SAVE_ON_CPU,
+    FSDP,
+    "lms-vmm-plain",
+    "lms-managed",
+    BUDGET,
+)
 MANAGED_COLUMNS = ("lms-managed", BUDGET)
+# The keys of session.stats() the benchmark reads (the contract names them).
+SESSION_KEYS = (
+    "pageout_bytes",
+    "pagein_bytes",
+    "pageout_count",
+    "pagein_count",
+    "oom_retries",
+    "budget_bytes",
+    "registered_bytes",
+    "iterations",
+)
+SESSION_COUNTERS = tuple(k for k in SESSION_KEYS if k not in ("budget_bytes", "registered_bytes"))
 DESCRIPTIONS = {
     NATIVE: "PyTorch's allocator, no limit",
+    LMS_V2: "tus.lms_session, defaults",
+    LMS_V2_CKPT: "tus.lms_session + gradient checkpointing",
+    CKPT: "gradient checkpointing (non-reentrant)",
+    CKPT_SAVE_ON_CPU: "gradient checkpointing + save_on_cpu",
     "lms-vmm": "LMS, VMM, speculation + prefetch",
     "lms-vmm-plain": "LMS, VMM, no speculation/prefetch",
     "lms-managed": "LMS on managed memory",
@@ -178,8 +228,33 @@ def device_meta() -> dict:
     return meta
 
 
+def measure_duplex(host: torch.Tensor, device: torch.Tensor) -> dict:
+    """Both directions at once, on two streams (a second pair of buffers): the report's ideal
+    assumes that out and in overlap at full speed, and this says how far that holds."""
+    host_in = torch.empty(host.numel(), dtype=host.dtype, pin_memory=True)
+    device_out = torch.empty_like(device)
+    device_out.copy_(host_in)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def both() -> None:
+        current = torch.cuda.current_stream()
+        for stream in streams:
+            stream.wait_stream(current)
+        with torch.cuda.stream(streams[0]):
+            host.copy_(device, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            device_out.copy_(host_in, non_blocking=True)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    both()
+    # Each direction moved host.numel() bytes in the time of both.
+    return summary([timed(both) for _ in range(BANDWIDTH_REPS)], host.numel())
+
+
 def measure_bandwidth(args) -> dict:
-    """Pinned host <-> device copy_ of --bandwidth-gib each way: median of 5 after a warm-up."""
+    """Pinned host <-> device copy_ of --bandwidth-gib each way: median of 5 after a warm-up;
+    then both directions at once (each direction's bytes over the time of both)."""
     if not torch.cuda.is_available():
         raise RuntimeError("this benchmark needs a CUDA GPU")
     nbytes = int(args.bandwidth_gib * GiB)
@@ -196,12 +271,17 @@ def measure_bandwidth(args) -> dict:
     up, down = result["h2d"]["median_gbps"], result["d2h"]["median_gbps"]
     result["link_gbps"] = 2.0 / (1.0 / up + 1.0 / down)
     log(f"pinned copy_ {gib(nbytes)} GiB: h2d {up:.1f} GB/s, d2h {down:.1f} GB/s")
+    try:
+        result["duplex"] = measure_duplex(host, device)
+        log(f"both at once: {result['duplex']['median_gbps']:.1f} GB/s each way")
+    except Exception as error:  # the ideal does not need it; the note on the assumption does
+        result["duplex_error"] = describe(error)
     return result
 
 
 def install_backend(column: str, args) -> tuple[Any, dict]:
     """The global hook and its settings, before CUDA initializes. (None, {}) for PyTorch's."""
-    if column in (NATIVE, *PEERS):
+    if column in (NATIVE, *PEERS, *V2_COLUMNS):
         return None, {}
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialized before the allocator hook could be installed")
@@ -240,6 +320,36 @@ def install_backend(column: str, args) -> tuple[Any, dict]:
     settings["size_bytes"] = int(tus.get_size_lms())
     settings["backing_in_force"] = tus.get_backing_lms()
     return tus, settings
+
+
+def import_lms_v2() -> Any:
+    """torch_uvm_saver for the LMS v2 columns: no hook, so it may come after CUDA initializes."""
+    try:
+        import torch_uvm_saver as tus
+    except ImportError as error:
+        raise RuntimeError(
+            "torch_uvm_saver is not importable: install it first "
+            "(python3 -m pip install --no-build-isolation --no-deps -e .)"
+        ) from error
+    if not callable(getattr(tus, "lms_session", None)):
+        raise RuntimeError("this torch_uvm_saver has no lms_session (the LMS v2 API)")
+    return tus
+
+
+def session_stats(session: Any) -> dict:
+    """session.stats(), its int and float values only (the JSON keeps them as they are)."""
+    stats = session.stats()
+    return {k: v for k, v in dict(stats).items() if isinstance(v, (int, float))}
+
+
+def enable_checkpointing(model: torch.nn.Module) -> str:
+    """Hugging Face's gradient checkpointing, non-reentrant: each block's forward runs again in
+    backward, and only the blocks' inputs are kept from the forward."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    if not getattr(model, "is_gradient_checkpointing", True):
+        raise RuntimeError("gradient_checkpointing_enable left checkpointing off")
+    return "gradient_checkpointing_enable(use_reentrant=False)"
 
 
 def guard_managed(tus, args, free: int) -> dict:
@@ -350,7 +460,7 @@ def parameter_groups(params: list[torch.nn.Parameter], group_bytes: int) -> list
 
 def make_optimizer(column: str, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, str]:
     params = list(model.parameters())
-    if column in LMS_COLUMNS:
+    if column in LMS_COLUMNS or column in V2_COLUMNS:
         # The fused kernel runs once per parameter group and needs the whole group (parameters,
         # gradients and both moments: 4 x its parameter bytes) on the device at once, so the
         # groups are kept small enough to fit under any limit tried here.
@@ -394,6 +504,7 @@ def make_step(
     ids: torch.Tensor,
     tus: Any,
     saved: SavedBytes | None,
+    session: Any = None,
 ) -> Callable[[], tuple[float, float | None]]:
     """One training iteration; returns (loss, optimizer seconds or None)."""
 
@@ -417,6 +528,20 @@ def make_step(
             return value, None
 
         return lms_step
+
+    if column in V2_COLUMNS:
+
+        def session_step() -> tuple[float, float | None]:
+            # The whole iteration in the session; leaving the block is the iteration boundary
+            # it learns from, so float(loss) (the host's wait) is inside too.
+            with session:
+                loss = forward_backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                value = float(loss)
+            return value, None
+
+        return session_step
 
     def step() -> tuple[float, float | None]:
         loss = forward_backward()
@@ -460,6 +585,23 @@ def family_delta(before: dict, after: dict, family: str) -> float:
     return 0
 
 
+def session_result(before: dict, after: dict, steps: int) -> dict:
+    """What an LMS v2 child reports from session.stats() taken around the timed steps."""
+
+    def delta(key: str) -> float:
+        return stat(after, key) - stat(before, key)
+
+    moved = delta("pageout_bytes") + delta("pagein_bytes")
+    return {
+        "moved_bytes_per_step": moved / steps,
+        "moved_kind": "measured",
+        "oom_retries_delta": delta("oom_retries"),
+        "session_counters_delta": {k: delta(k) for k in SESSION_COUNTERS if k in after},
+        "session_stats": after,
+        "session_keys_missing": [k for k in SESSION_KEYS if k not in after],
+    }
+
+
 def reset_peaks(tus) -> None:
     if tus is None:
         torch.cuda.reset_peak_memory_stats()
@@ -493,6 +635,7 @@ def timed_step(step: Callable[[], tuple[float, float | None]]) -> tuple[float, f
 def train(column: str, args, result: dict) -> None:
     """Sets up `column` and trains; fills `result` as it goes (a failure keeps what was found)."""
     tus, settings = install_backend(column, args)  # first: before CUDA initializes
+    lms = import_lms_v2() if column in V2_COLUMNS else None  # no hook: fails early, that is all
     if not torch.cuda.is_available():
         raise RuntimeError("this benchmark needs a CUDA GPU")
     started = time.perf_counter()
@@ -506,8 +649,13 @@ def train(column: str, args, result: dict) -> None:
         backend=settings,
         native_peak_bytes=args.native_peak or None,
     )
+    limit = args.limit
+    if column in V2_COLUMNS and limit <= 0:
+        # The "no limit" run (--no-limit-columns): the session's limit is the whole device.
+        limit = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        result["no_limit"] = True
     if column in LIMITED:
-        result.update(ratio=args.ratio, limit_bytes=args.limit)
+        result.update(ratio=args.ratio, limit_bytes=limit)
     if column in MANAGED_COLUMNS:
         result["managed_guard"] = guard_managed(tus, args, free)
     if column == BUDGET:
@@ -516,6 +664,8 @@ def train(column: str, args, result: dict) -> None:
     log(f"{column}: building {spec['name']} ({args.regime}), batch {spec['batch']} x {spec['seq']}")
     model, info = build_model(spec, args.seed)
     spec.update(info)
+    if column in CKPT_COLUMNS:
+        result["gradient_checkpointing"] = enable_checkpointing(model)
     if column == FSDP:
         shard_with_offload(model)
     gc.collect()
@@ -529,8 +679,18 @@ def train(column: str, args, result: dict) -> None:
     result["pin_parameters"] = pins is not None
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=generator).to(DEVICE)
-    saved = SavedBytes() if column == SAVE_ON_CPU else None
-    step = make_step(column, model, optimizer, ids, tus, saved)
+    session = None
+    if lms is not None:
+        # Last in the setup: it sees the model and the optimizer (whose state AdamW creates in
+        # the first step, inside the session).
+        session = lms.lms_session(limit, modules=[model], optimizers=[optimizer])
+        result["session"] = {
+            "limit_bytes": limit,
+            "torch_uvm_saver": getattr(lms, "__version__", None),
+            "stats_at_setup": session_stats(session),
+        }
+    saved = SavedBytes() if column in (SAVE_ON_CPU, CKPT_SAVE_ON_CPU) else None
+    step = make_step(column, model, optimizer, ids, tus, saved, session)
     result["setup_s"] = time.perf_counter() - started
     millions = info["parameters"] / 1e6
     log(f"{column}: {millions:.0f}M parameters, set up in {result['setup_s']:.1f} s")
@@ -542,6 +702,9 @@ def train(column: str, args, result: dict) -> None:
         try:
             outcome = timed_step(step)
         except Exception as error:
+            if session is not None:
+                with contextlib.suppress(Exception):
+                    result["session_stats_at_error"] = session_stats(session)
             if done > 0 or pins is None or is_fatal(error):
                 raise
             # A module hook that does not suit the model must not cost the column: go on without.
@@ -570,6 +733,7 @@ def train(column: str, args, result: dict) -> None:
     peak_warmup = read_peaks(tus)
     reset_peaks(tus)
     before = tus_counters(tus) if tus is not None else {}
+    session_before = session_stats(session) if session is not None else {}
     if saved is not None:
         saved.bytes = 0
     times: list[float] = []
@@ -590,6 +754,7 @@ def train(column: str, args, result: dict) -> None:
         log(f"{column}: step {i + 1}/{args.steps}: {seconds:.3f} s, loss {loss:.4f}")
     peak_steady = read_peaks(tus)
     after = tus_counters(tus) if tus is not None else {}
+    session_after = session_stats(session) if session is not None else {}
     steps = len(times)
     step_median = statistics.median(times)
     tokens = spec["batch"] * spec["seq"]
@@ -613,11 +778,13 @@ def train(column: str, args, result: dict) -> None:
         moved = family_delta(before, after, "pageout_bytes")
         moved += family_delta(before, after, "pagein_bytes")
         result.update(moved_bytes_per_step=moved / steps, moved_kind="measured")
+    elif column in V2_COLUMNS:
+        result.update(session_result(session_before, session_after, steps))
     elif column == BUDGET:
         moved = family_delta(before, after, "prefetch_to_host_bytes")
         moved += family_delta(before, after, "prefetch_to_device_bytes")
         result.update(moved_bytes_per_step=moved / steps, moved_kind="prefetches")
-    elif column == SAVE_ON_CPU:
+    elif column in (SAVE_ON_CPU, CKPT_SAVE_ON_CPU):
         per_step = 2 * saved.bytes / steps if saved.counted else None
         result.update(moved_bytes_per_step=per_step, moved_kind="measured")
     elif column == FSDP:
@@ -630,6 +797,15 @@ def train(column: str, args, result: dict) -> None:
         stats = tus.memory_stats()
         result["tus_gauges"] = {key: stats[key] for key in GAUGE_KEYS if key in stats}
     result["free_bytes_at_end"] = torch.cuda.mem_get_info()[0]
+    if session is not None:
+        # After the measurement: a failure here is reported, it does not cost the result.
+        start = time.perf_counter()
+        try:
+            session.close()
+            result["session"]["close_s"] = time.perf_counter() - start
+        except Exception as error:
+            traceback.print_exc()
+            result["warning"] = f"session.close() failed: {describe(error)}"
     if dist is not None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
