@@ -24,6 +24,7 @@ py::dict counters_dict(const RelocationPlanner& planner) {
   out["prefetch_bytes"] = c.prefetch_bytes;
   out["prefetch_hits"] = c.prefetch_hits;
   out["prefetch_wasted"] = c.prefetch_wasted;
+  out["prefetch_failed"] = c.prefetch_failed;
   out["oom_events"] = c.oom_events;
   out["over_budget_uses"] = c.over_budget_uses;
   out["budget_bytes"] = planner.budget();
@@ -31,6 +32,8 @@ py::dict counters_dict(const RelocationPlanner& planner) {
   out["peak_resident_bytes"] = planner.peak_resident_bytes();
   out["registered_bytes"] = planner.registered_bytes();
   out["blocks"] = planner.block_count();
+  out["operators_per_iteration"] = planner.operators_per_iteration();
+  out["capped_positions"] = planner.capped_positions();
   return out;
 }
 
@@ -67,10 +70,12 @@ void bind_relocation(py::module_& module) {
           },
           py::arg("ids"), "Like before_use for a view: pages in, reads nothing.")
       .def("make_room", &Planner::make_room, py::arg("nbytes"), py::arg("keep"))
+      .def("prefetch_failed", &Planner::prefetch_failed, py::arg("id"))
       .def("evict_all", &Planner::evict_all, py::arg("keep"))
       .def("bring_all_in", &Planner::bring_all_in)
       .def("end_iteration", &Planner::end_iteration)
       .def_property_readonly("position", &Planner::position)
+      .def("budget_at", &Planner::budget_at, py::arg("position"))
       .def_property_readonly("resident_bytes", &Planner::resident_bytes)
       .def_property_readonly("registered_bytes", &Planner::registered_bytes)
       .def("counters", &counters_dict);

@@ -67,7 +67,7 @@ __all__ = ["LmsSession", "lms_session"]
 MiB = 1 << 20
 DEFAULT_MIN_BYTES = 1 * MiB
 DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
-OOM_RETRIES = 4
+OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is left to free
 _ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -145,6 +145,16 @@ class _Saved:
             session._release_saved(self.block, self.tensor)
 
 
+_views: dict[object, bool] = {}
+
+
+def _is_view(func: object) -> bool:
+    view = _views.get(func)
+    if view is None:
+        view = _views[func] = bool(getattr(func, "is_view", False))
+    return view
+
+
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -172,7 +182,7 @@ class _Dispatch(TorchDispatchMode):
         if session._busy:
             return func(*args, **kwargs)
         ids = session._input_ids(args, kwargs)
-        if getattr(func, "is_view", False):
+        if _is_view(func):
             # Reads nothing, but PyTorch checks the view's bounds against the storage.
             if session._out and not session._out.isdisjoint(ids):
                 session._bring_in(ids)
@@ -354,7 +364,10 @@ class LmsSession:
             return t  # recomputation during backward: short-lived, never paged
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != self.device:
             return t  # subclasses (DTensor, fake tensors) and other devices stay as they are
-        if t.layout != torch.strided or self._eligible(t) is not None:
+        if t.layout != torch.strided or t.untyped_storage().nbytes() < self.min_bytes:
+            self._skipped_saved += 1
+            return t
+        if self._eligible(t) is not None:
             self._skipped_saved += 1
             return t
         block = _storage_id(t)
@@ -475,8 +488,15 @@ class LmsSession:
                 self._page_out(block)
             for block in page_in:
                 self._page_in_making_room(block, ids)
-            for block in prefetch:
-                self._page_in(block, prefetch=True)
+            for index, block in enumerate(prefetch):
+                try:
+                    self._page_in(block, prefetch=True)
+                except torch.OutOfMemoryError:
+                    # Ahead of need only: no room after all, so this and the rest stay out
+                    # (their bytes untouched) and come in on demand.
+                    for rest in prefetch[index:]:
+                        self._planner.prefetch_failed(rest)
+                    break
 
     def _wait_landing(self, ids: list[int]) -> None:
         current = torch.cuda.current_stream(self.device) if self._cuda else None
@@ -523,9 +543,8 @@ class LmsSession:
                 self._page_in(block, prefetch=False)
                 return
             except torch.OutOfMemoryError as error:
-                if attempt == OOM_RETRIES:
+                if attempt == OOM_RETRIES or not self._make_room(error, attempt, ids):
                     raise OutOfMemoryError(self._no_room(error, ids)) from error
-                self._make_room(_requested_bytes(error), ids)
 
     def _page_in(self, block: int, prefetch: bool) -> None:
         entry = self._entries.get(block)
@@ -560,19 +579,32 @@ class LmsSession:
     # -- out of memory ---------------------------------------------------------------------
 
     def _run(self, func, args: tuple, kwargs: dict, ids: list[int]) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            return self._run_again(func, args, kwargs, ids, error)
+
+    def _run_again(self, func, args, kwargs, ids, error: torch.OutOfMemoryError) -> Any:
+        """Makes room and runs the operator again while making room frees something. An
+        operator that writes an input may have written part of it before failing: it is never
+        run again."""
         for attempt in range(OOM_RETRIES + 1):
+            if func._schema.is_mutable or attempt == OOM_RETRIES:
+                raise OutOfMemoryError(self._no_room(error, ids, func)) from error
+            self._oom_retries += 1
+            with self._own_operators():
+                if not self._make_room(error, attempt, ids):
+                    raise OutOfMemoryError(self._no_room(error, ids, func)) from error
             try:
                 return func(*args, **kwargs)
-            except torch.OutOfMemoryError as error:
-                # An operator that writes an input may have written part of it: never run again.
-                if func._schema.is_mutable or attempt == OOM_RETRIES:
-                    raise OutOfMemoryError(self._no_room(error, ids, func)) from error
-                self._oom_retries += 1
-                with self._own_operators():
-                    self._make_room(_requested_bytes(error), ids)
+            except torch.OutOfMemoryError as again:
+                error = again
+        raise AssertionError("unreachable")
 
-    def _make_room(self, nbytes: int, ids: list[int]) -> None:
-        wanted = max(nbytes, self.limit // 32)
+    def _make_room(self, error: BaseException, attempt: int, ids: list[int]) -> bool:
+        """Pages out victims for the failed allocation (twice as much at each attempt); False
+        when there was nothing left to page out."""
+        wanted = min(max(_requested_bytes(error), self.limit // 32) << attempt, self.limit)
         victims = self._planner.make_room(wanted, ids)
         for block in victims:
             self._page_out(block)
@@ -581,6 +613,7 @@ class LmsSession:
             # failed allocation waits for those events and gives cached blocks back.
             self._out_stream.synchronize()
             torch.cuda.empty_cache()
+        return bool(victims)
 
     def _no_room(self, error: BaseException, ids: list[int], func: object = None) -> str:
         counters = self._planner.counters()

@@ -92,10 +92,20 @@ RelocationPlanner::BlockId RelocationPlanner::take_victim(const std::unordered_s
   return 0;
 }
 
-bool RelocationPlanner::room_for(std::size_t bytes, const std::unordered_set<BlockId>& keep,
+std::size_t RelocationPlanner::budget_at(std::uint64_t position) const {
+  std::size_t budget = budget_;
+  const std::uint64_t reach = position + std::max<std::size_t>(prefetch_depth_, 1);
+  for (auto it = caps_.lower_bound(position); it != caps_.end() && it->first <= reach; ++it) {
+    budget = std::min(budget, it->second);
+  }
+  return budget;
+}
+
+bool RelocationPlanner::room_for(std::size_t bytes, std::size_t budget,
+                                 const std::unordered_set<BlockId>& keep,
                                  std::uint64_t after) const {
   std::size_t resident = resident_bytes_;
-  for (auto it = resident_.begin(); resident + bytes > budget_; ++it) {
+  for (auto it = resident_.begin(); resident + bytes > budget; ++it) {
     if (it == resident_.end() || it->next_read <= after) return false;
     if (keep.count(it->id) == 0) resident -= blocks_.at(it->id).bytes;
   }
@@ -124,21 +134,22 @@ RelocationPlanner::Plan RelocationPlanner::before_use(const std::vector<BlockId>
     block.rank = Rank{next_read(block.key), ++tick_, id};
     resident_.insert(block.rank);
   }
-  page_in_needed(plan.page_in, keep, plan);
-  plan_prefetch(keep, plan);
+  const std::size_t budget = budget_at(position_);
+  page_in_needed(plan.page_in, budget, keep, plan);
+  plan_prefetch(budget, keep, plan);
   return plan;
 }
 
-void RelocationPlanner::page_in_needed(const std::vector<BlockId>& ids,
+void RelocationPlanner::page_in_needed(const std::vector<BlockId>& ids, std::size_t budget,
                                        const std::unordered_set<BlockId>& keep, Plan& plan) {
   std::size_t needed = 0;
   for (const BlockId id : ids) needed += blocks_.at(id).bytes;
-  while (resident_bytes_ + needed > budget_) {
+  while (resident_bytes_ + needed > budget) {
     const BlockId victim = take_victim(keep, 0);
     if (victim == 0) break;
     plan.page_out.push_back(victim);
   }
-  if (resident_bytes_ + needed > budget_) ++counters_.over_budget_uses;
+  if (resident_bytes_ + needed > budget) ++counters_.over_budget_uses;
   for (const BlockId id : ids) {
     Block& block = blocks_.at(id);
     make_resident(id, block);
@@ -155,11 +166,12 @@ RelocationPlanner::Plan RelocationPlanner::bring_in(const std::vector<BlockId>& 
     if (it == blocks_.end() || !keep.insert(id).second) continue;
     if (it->second.out) plan.page_in.push_back(id);
   }
-  page_in_needed(plan.page_in, keep, plan);
+  page_in_needed(plan.page_in, budget_at(position_), keep, plan);
   return plan;
 }
 
-void RelocationPlanner::plan_prefetch(const std::unordered_set<BlockId>& keep, Plan& plan) {
+void RelocationPlanner::plan_prefetch(std::size_t budget, const std::unordered_set<BlockId>& keep,
+                                      Plan& plan) {
   if (prefetch_depth_ == 0) return;
   const std::uint64_t horizon = position_ + prefetch_depth_;
   prefetch_cursor_ = std::max(prefetch_cursor_, prefetch_scanned_);
@@ -176,8 +188,8 @@ void RelocationPlanner::plan_prefetch(const std::unordered_set<BlockId>& keep, P
       Block& block = blocks_.at(found->second);
       if (block.out) {
         // Room: free budget, or blocks read later than this one (Note [Prefetch from the trace]).
-        if (!room_for(block.bytes, keep, read_at)) break;  // try again at the next operator
-        while (resident_bytes_ + block.bytes > budget_) {
+        if (!room_for(block.bytes, budget, keep, read_at)) break;  // again at the next operator
+        while (resident_bytes_ + block.bytes > budget) {
           plan.page_out.push_back(take_victim(keep, read_at));
         }
         make_resident(found->second, block);
@@ -194,6 +206,7 @@ void RelocationPlanner::plan_prefetch(const std::unordered_set<BlockId>& keep, P
 std::vector<RelocationPlanner::BlockId> RelocationPlanner::make_room(
     std::size_t bytes, const std::vector<BlockId>& keep) {
   const std::unordered_set<BlockId> kept(keep.begin(), keep.end());
+  const std::size_t resident_before = resident_bytes_;
   std::vector<BlockId> victims;
   std::size_t freed = 0;
   while (freed < bytes) {
@@ -203,8 +216,26 @@ std::vector<RelocationPlanner::BlockId> RelocationPlanner::make_room(
     freed += blocks_.at(victim).bytes;
   }
   ++counters_.oom_events;
-  budget_ = std::min(budget_, resident_bytes_);
+  // Nothing left to free for this operator: the whole budget is too high for what the process
+  // holds besides our blocks, not just this position's.
+  if (freed < bytes) budget_ = std::min(budget_, resident_bytes_);
+  const std::size_t cap = resident_before > bytes ? resident_before - bytes : 0;
+  const auto [it, added] = caps_.emplace(position_, cap);
+  if (!added) it->second = std::min(it->second, cap);
   return victims;
+}
+
+void RelocationPlanner::prefetch_failed(BlockId id) {
+  Block& block = blocks_.at(id);
+  if (block.out) return;
+  const std::size_t fitted = resident_bytes_ - block.bytes;
+  resident_.erase(block.rank);
+  resident_bytes_ = fitted;
+  block.out = true;
+  block.prefetched = false;
+  ++counters_.prefetch_failed;
+  const auto [it, added] = caps_.emplace(position_, fitted);
+  if (!added) it->second = std::min(it->second, fitted);
 }
 
 std::vector<RelocationPlanner::BlockId> RelocationPlanner::evict_all(
@@ -234,6 +265,7 @@ void RelocationPlanner::end_iteration() {
   events_then_ = std::move(events_now_);
   reads_now_.clear();
   events_now_.clear();
+  operators_per_iteration_ = position_;
   position_ = 0;
   transient_added_ = 0;
   prefetch_cursor_ = 0;

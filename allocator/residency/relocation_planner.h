@@ -11,8 +11,10 @@
 //  its blocks under a budget: before an operator runs, before_use() names the blocks it reads;
 //  those that are out come back in (page_in), and if that takes the resident bytes past the budget,
 //  other blocks go out first (page_out). Out of memory anyway (the budget left too little for what
-//  is not ours: activations not saved yet, workspaces), make_room() names more victims and lowers
-//  the budget to what was resident then, so the same operator does not fail again next iteration.
+//  is not ours: activations not saved yet, workspaces, a loss's logits), make_room() names
+//  victims for the bytes wanted and caps the resident bytes at that operator's position from
+//  then on: the next iterations page out ahead of it, `prefetch_depth` operators early, so the
+//  same operator does not fail again, while the rest of the iteration keeps the whole budget.
 //
 // Note [Choosing victims]
 //  Training repeats itself: the n-th operator of an iteration reads the same blocks as the n-th
@@ -36,6 +38,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -67,6 +70,7 @@ class RelocationPlanner {
     std::uint64_t prefetch_bytes = 0;
     std::uint64_t prefetch_hits = 0;
     std::uint64_t prefetch_wasted = 0;
+    std::uint64_t prefetch_failed = 0;  // no device memory for it after all
     std::uint64_t oom_events = 0;
     std::uint64_t over_budget_uses = 0;  // an operator's own blocks alone passed the budget
   };
@@ -96,10 +100,14 @@ class RelocationPlanner {
   // prefetch, so iterations stay aligned whatever was out.
   Plan bring_in(const std::vector<BlockId>& ids);
   // Out of memory running an operator that reads `keep`: victims for at least `bytes` (fewer when
-  // nothing else is resident); the budget drops to the resident bytes left.
+  // nothing else is resident); the resident bytes are capped at this position from now on, and
+  // when fewer than `bytes` could go, the whole budget drops to what is left resident.
   std::vector<BlockId> make_room(std::size_t bytes, const std::vector<BlockId>& keep);
   // Victims for every resident block but `keep` (reclaim everything).
   std::vector<BlockId> evict_all(const std::vector<BlockId>& keep);
+  // A prefetch the plan named could not get device memory: the block is out again, and the
+  // resident bytes are capped at this position (what fitted) from now on.
+  void prefetch_failed(BlockId id);
   // Every block that is out, marked resident (the session pages them all in).
   std::vector<BlockId> bring_all_in();
   // The iteration's trace becomes the one the next iteration plans with.
@@ -111,6 +119,11 @@ class RelocationPlanner {
   std::size_t registered_bytes() const { return registered_bytes_; }
   std::size_t block_count() const { return blocks_.size(); }
   std::uint64_t position() const { return position_; }
+  // Operators in the last whole iteration.
+  std::uint64_t operators_per_iteration() const { return operators_per_iteration_; }
+  std::size_t capped_positions() const { return caps_.size(); }
+  // The budget in force at `position`: the global one, lowered by caps within prefetch reach.
+  std::size_t budget_at(std::uint64_t position) const;
 
  private:
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
@@ -144,11 +157,11 @@ class RelocationPlanner {
   BlockId take_victim(const std::unordered_set<BlockId>& keep, std::uint64_t after);
   // Whether `bytes` fit under the budget once the victims read after `after` are out.
   // Pages in the blocks of `ids` that are out, evicting others (not in `keep`) past the budget.
-  void page_in_needed(const std::vector<BlockId>& ids, const std::unordered_set<BlockId>& keep,
-                      Plan& plan);
-  bool room_for(std::size_t bytes, const std::unordered_set<BlockId>& keep,
+  void page_in_needed(const std::vector<BlockId>& ids, std::size_t budget,
+                      const std::unordered_set<BlockId>& keep, Plan& plan);
+  bool room_for(std::size_t bytes, std::size_t budget, const std::unordered_set<BlockId>& keep,
                 std::uint64_t after) const;
-  void plan_prefetch(const std::unordered_set<BlockId>& keep, Plan& plan);
+  void plan_prefetch(std::size_t budget, const std::unordered_set<BlockId>& keep, Plan& plan);
 
   std::size_t budget_;
   std::size_t prefetch_depth_ = kDefaultPrefetchDepth;
@@ -158,7 +171,9 @@ class RelocationPlanner {
   std::size_t peak_resident_bytes_ = 0;
   std::size_t registered_bytes_ = 0;
   std::uint64_t position_ = 0;  // operators planned this iteration
-  std::uint64_t tick_ = 0;      // reads and arrivals, never reset: least recently used
+  std::uint64_t operators_per_iteration_ = 0;
+  std::map<std::uint64_t, std::size_t> caps_;  // position -> resident bytes allowed there
+  std::uint64_t tick_ = 0;  // reads and arrivals, never reset: least recently used
   std::uint64_t orphans_ = 0;
   std::uint64_t transient_added_ = 0;  // transient blocks added this iteration
   // key -> block, for the blocks alive now (prefetch finds blocks by the previous trace's keys)

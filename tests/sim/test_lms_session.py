@@ -188,7 +188,16 @@ def test_out_of_memory_makes_room_and_runs_the_operator_again():
     assert stats["oom_retries"] == 1 and stats["oom_events"] == 1
     assert session._planner.is_out(other.untyped_storage()._cdata)
     assert not session._planner.is_out(ids[0])
-    assert stats["budget_bytes"] == stats["resident_bytes"]
+    assert stats["capped_positions"] == 1
+    session.close()
+
+
+def test_out_of_memory_with_nothing_left_to_page_out_is_an_error():
+    session = tus.lms_session(10**6, device="cpu", min_bytes=SMALL)
+    operator = _FailingOperator(mutable=False, failures=100)
+    with pytest.raises(errors.OutOfMemoryError, match=r"out of memory under the limit"):
+        session._run(operator, (), {}, [])
+    assert operator.calls == 1  # nothing could be freed: no second try
     session.close()
 
 

@@ -107,6 +107,21 @@ def test_prefetch_never_evicts_a_block_needed_sooner():
     assert p.counters()["prefetch_count"] == 0
 
 
+def test_a_failed_prefetch_leaves_the_block_out_and_caps_the_position():
+    p = planner(2 * KB, depth=8)
+    for block in (1, 2, 3):
+        p.add(block, KB, True)
+    for ids in ([1], [2], [3]):
+        p.before_use(ids)
+    p.end_iteration()
+    p.before_use([1])
+    assert p.before_use([2]) == ([1], [], [3])
+    p.prefetch_failed(3)  # no device memory for it after all
+    assert p.is_out(3) and p.resident_bytes == KB
+    assert p.counters()["prefetch_failed"] == 1 and p.budget_at(2) == KB
+    assert p.before_use([3]) == ([], [3], [])  # on demand instead
+
+
 def test_prefetch_waste_is_counted_when_evicted_before_its_read():
     p = planner(2 * KB, depth=8)
     for block in (1, 2, 3):
@@ -120,14 +135,31 @@ def test_prefetch_waste_is_counted_when_evicted_before_its_read():
     assert p.counters()["prefetch_wasted"] == 1
 
 
-def test_make_room_evicts_and_lowers_the_budget():
-    p = planner(10 * KB)
+def test_make_room_evicts_and_caps_that_position_from_then_on():
+    p = planner(10 * KB, depth=2)
     for block in (1, 2, 3):
         p.add(block, 3 * KB, True)
-    victims = p.make_room(4 * KB, [3])
+    for ids in ([1], [2], [3], [3]):
+        p.before_use(ids)
+    victims = p.make_room(4 * KB, [3])  # the operator at position 4 ran out of memory
     assert len(victims) == 2 and 3 not in victims
+    assert p.counters()["oom_events"] == 1 and p.counters()["capped_positions"] == 1
+    assert p.budget == 10 * KB  # the rest of the iteration keeps the whole budget
+    assert p.budget_at(1) == 10 * KB and p.budget_at(2) == 5 * KB and p.budget_at(4) == 5 * KB
+    p.end_iteration()
+    # Next iteration: two operators ahead of position 4, the resident bytes go under its cap.
+    p.before_use([1])
+    p.before_use([2])
+    assert p.resident_bytes <= 5 * KB
+    assert p.budget_at(5) == 10 * KB
+
+
+def test_make_room_that_cannot_free_enough_lowers_the_whole_budget():
+    p = planner(10 * KB)
+    p.add(1, 3 * KB, True)
+    p.add(2, 3 * KB, True)
+    assert p.make_room(8 * KB, [2]) == [1]  # only 3 KB could go
     assert p.budget == p.resident_bytes == 3 * KB
-    assert p.counters()["oom_events"] == 1
 
 
 def test_remove_reports_whether_the_block_was_out():
