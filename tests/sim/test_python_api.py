@@ -216,3 +216,14 @@ def test_memory_summary_shows_a_tag_with_dots(process) -> None:
     _, allocator = process
     allocator.malloc(2 * MiB, tag="model.layers.0.w")
     assert "tag:model.layers.0.w" in tus.memory_summary()
+
+
+def test_installed_metadata_has_the_package_version_and_the_license() -> None:
+    # One source for the version (torch_uvm_saver/__init__.py); the license file ships with it.
+    from importlib import metadata
+    from pathlib import Path
+
+    assert metadata.version("torch_uvm_saver") == tus.__version__
+    assert (Path(tus.__file__).parent / "py.typed").is_file()
+    license_text = metadata.distribution("torch_uvm_saver").read_text("licenses/LICENSE")
+    assert license_text is not None and "Apache License" in license_text
