@@ -227,3 +227,29 @@ def test_installed_metadata_has_the_package_version_and_the_license() -> None:
     assert (Path(tus.__file__).parent / "py.typed").is_file()
     license_text = metadata.distribution("torch_uvm_saver").read_text("licenses/LICENSE")
     assert license_text is not None and "Apache License" in license_text
+
+
+def test_the_type_stub_names_everything_the_native_module_has() -> None:
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(tus.__file__).parent / "_C.pyi").read_text())
+    declared = set()
+    classes = {}
+    for node in stub.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            declared.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            for base in node.bases:  # inherited methods are declared on the base
+                if isinstance(base, ast.Name):
+                    methods |= classes.get(base.id, set())
+            classes[node.name] = methods
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            declared.add(node.target.id)
+    public = {name for name in dir(_C) if not name.startswith("__")}
+    missing = public - declared
+    assert not missing, f"_C.pyi lacks {sorted(missing)}: regenerate it (see its header)"
+    for name, methods in classes.items():
+        actual = {m for m in dir(getattr(_C, name)) if not m.startswith("_")}
+        assert actual <= methods, f"_C.pyi's {name} lacks {sorted(actual - methods)}"
