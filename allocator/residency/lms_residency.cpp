@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <limits>
+#include <optional>
 
 #include "allocator/errors.h"
 #include "allocator/log.h"
@@ -158,12 +159,11 @@ void LmsResidency::pin(Segment& segment, StreamHandle stream) {
     erase_value(prefetched_, &segment);
     count(segment, &ScopeStats::prefetch_hits);
   }
-  const Footprint before = footprint(segment);
+  const FootprintChange change(stats_, segment);
   list_.remove(segment);
   ++segment.lms.pins;
   segment.lms.state = LmsState::kActive;
   segment.lms.stream = stream;
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
 void LmsResidency::unpin(Segment& segment) {
@@ -172,20 +172,21 @@ void LmsResidency::unpin(Segment& segment) {
     TUS_THROW(InvalidState,
               "unpin: the tensor's block (" << format_bytes(segment.size) << ") is not pinned");
   }
-  const Footprint before = footprint(segment);
   bool speculate = false;
-  if (--segment.lms.pins == 0) {
-    segment.lms.state = LmsState::kInactive;
-    segment.lms.last_unpin = history_.count_unpin();
-    segment.lms.unpin_iteration = history_.iteration();
-    if (segment.lms.reclaimable) {
-      if (!segment.lms.managed) mark_inactive_here(segment);
-      list_.push_back(segment);
+  {
+    const FootprintChange change(stats_, segment);
+    if (--segment.lms.pins == 0) {
+      segment.lms.state = LmsState::kInactive;
+      segment.lms.last_unpin = history_.count_unpin();
+      segment.lms.unpin_iteration = history_.iteration();
+      if (segment.lms.reclaimable) {
+        if (!segment.lms.managed) mark_inactive_here(segment);
+        list_.push_back(segment);
+      }
+      speculate = speculation_ && segment.lms.reclaimable && !segment.lms.managed &&
+                  history_.reclaimed_before(segment.lms.last_unpin);
     }
-    speculate = speculation_ && segment.lms.reclaimable && !segment.lms.managed &&
-                history_.reclaimed_before(segment.lms.last_unpin);
   }
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
   if (!speculate) return;
   try {
     start_page_out(segment, Cause::kSpeculation);
@@ -201,18 +202,17 @@ void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
   // Its kernels write while the copy may still read: the copy's bytes are dropped, nothing else.
   if (segment.lms.state == LmsState::kPagingOut) cancel_page_out(segment);
   if (segment.lms.state == LmsState::kReclaimed) page_in(segment, stream);  // counts itself
-  const Footprint before = footprint(segment);
+  const FootprintChange change(stats_, segment);
   segment.lms.stream = stream;
   if (segment.lms.pins == 0) {
     // A new tensor in it: allocated again until it is pinned and unpinned.
     list_.remove(segment);
     segment.lms.state = LmsState::kAllocated;
   }
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
 void LmsResidency::release(Segment& segment) {
-  const Footprint before = footprint(segment);
+  const FootprintChange change(stats_, segment);
   segment.lms.freed = true;
   list_.remove(segment);
   segment.lms.pins = 0;  // a block freed while pinned (an op's out= resized) keeps no pin
@@ -230,7 +230,6 @@ void LmsResidency::release(Segment& segment) {
   // A page-out under way goes on: its copy still reads the memory, which the cache must not give
   // back before it is done (forget() waits for it then). Once done it frees the memory, which is
   // what a freed block is good for, and its bytes are dropped (finish_page_out).
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
 std::size_t LmsResidency::page_out_managed(Segment& segment) {
@@ -239,10 +238,11 @@ std::size_t LmsResidency::page_out_managed(Segment& segment) {
   // The prefetch applies what it changes in page placement to the stats; the state is ours.
   const std::size_t moved = managed_.prefetch(&segment, segment.ptr, segment.size,
                                               MemLocation::host(), segment.lms.stream);
-  const Footprint placed = footprint(segment);
-  list_.remove(segment);
-  segment.lms.state = LmsState::kReclaimed;
-  stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
+  {
+    const FootprintChange change(stats_, segment);
+    list_.remove(segment);
+    segment.lms.state = LmsState::kReclaimed;
+  }
   count_pageout(segment, moved, seconds_since(start));
   return segment.size;  // off the device as far as the limit is concerned
 }
@@ -252,34 +252,34 @@ void LmsResidency::start_page_out(Segment& segment, Cause cause) {
   // Note [LMS ordering]: behind the block's last use, or, if that could not be recorded, behind
   // everything queued on its stream so far. Either way on the device, not the host.
   if (segment.lms.last_use == nullptr) record_last_use(segment);
-  const Footprint before = footprint(segment);
-  segment.lms.pageout_done = mover_.start_backup(segment, segment.lms.last_use);
-  list_.remove(segment);
-  segment.lms.state = LmsState::kPagingOut;
-  paging_out_.push_back(&segment);
-  paging_out_bytes_ += segment.size;
-  if (cause == Cause::kSpeculation) {
-    segment.lms.speculative = true;
-    segment.lms.speculated_at = ladder_reclaims_;
-    speculated_.push_back(&segment);
-    count(segment, &ScopeStats::speculative_pageouts);
-  } else if (cause == Cause::kAhead) {
-    count(segment, &ScopeStats::pageouts_ahead);
+  {
+    const FootprintChange change(stats_, segment);  // its host buffer
+    segment.lms.pageout_done = mover_.start_backup(segment, segment.lms.last_use);
+    list_.remove(segment);
+    segment.lms.state = LmsState::kPagingOut;
+    paging_out_.push_back(&segment);
+    paging_out_bytes_ += segment.size;
+    if (cause == Cause::kSpeculation) {
+      segment.lms.speculative = true;
+      segment.lms.speculated_at = ladder_reclaims_;
+      speculated_.push_back(&segment);
+      count(segment, &ScopeStats::speculative_pageouts);
+    } else if (cause == Cause::kAhead) {
+      count(segment, &ScopeStats::pageouts_ahead);
+    }
   }
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));  // its host buffer
   count_pageout(segment, 0, seconds_since(start));
 }
 
 void LmsResidency::cancel_page_out(Segment& segment) {
   // Wanted again before its copy finished (or freed, its memory going back): it never left.
-  const Footprint before = footprint(segment);
+  const FootprintChange change(stats_, segment);
   mover_.abandon_backup(segment, segment.lms.pageout_done);
   segment.lms.pageout_done = nullptr;
   erase_value(paging_out_, &segment);
   paging_out_bytes_ -= segment.size;
   segment.lms.state = LmsState::kInactive;
   if (segment.lms.speculative) settle_speculation(segment, false);
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
 }
 
 std::size_t LmsResidency::finish_page_out(Segment& segment, std::exception_ptr& error) {
@@ -417,13 +417,15 @@ void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
   const auto start = std::chrono::steady_clock::now();
   if (segment.lms.speculative)
     settle_speculation(segment, ladder_reclaims_ > segment.lms.speculated_at);
-  const Footprint before = footprint(segment);
   std::size_t moved = 0;
+  std::optional<FootprintChange> change;
   if (segment.lms.managed) {
     // The prefetch applies what it changes in page placement to the stats; the state is ours.
     moved = managed_.prefetch(&segment, segment.ptr, segment.size, MemLocation::on_device(device_),
                               stream);
+    change.emplace(stats_, segment);
   } else {
+    change.emplace(stats_, segment);
     retire_page_ins();
     for (const Chunk& chunk : segment.chunks) {
       if ((!chunk.mapped || chunk.stale) && chunk.backed_up && segment.backup) moved += chunk.size;
@@ -433,10 +435,9 @@ void LmsResidency::page_in(Segment& segment, StreamHandle stream) {
     // allocation fails, the bytes stay safe on the host.
     mover_.resume_async(segment, backing_, stream);
   }
-  const Footprint placed = segment.lms.managed ? footprint(segment) : before;
   segment.lms.state = LmsState::kAllocated;  // the caller pins it or hands it out
   segment.lms.stream = stream;
-  stats_.apply(Mode::kLms, segment.tag, placed, footprint(segment));
+  change.reset();
   count_pagein(segment, moved, seconds_since(start));
 }
 
@@ -453,16 +454,17 @@ std::pair<std::size_t, std::size_t> LmsResidency::prefetch_window() const {
 
 void LmsResidency::prefetch(Segment& segment, StreamHandle stream) {
   page_in(segment, stream);
-  const Footprint before = footprint(segment);
-  segment.lms.state = LmsState::kInactive;
-  if (segment.lms.reclaimable) {
-    // Paging it out again must wait for the copy in: the stream that waits for it is its use.
-    mark_inactive_here(segment);
-    list_.push_back(segment);  // the most recent: taken last
+  {
+    const FootprintChange change(stats_, segment);
+    segment.lms.state = LmsState::kInactive;
+    if (segment.lms.reclaimable) {
+      // Paging it out again must wait for the copy in: the stream that waits for it is its use.
+      mark_inactive_here(segment);
+      list_.push_back(segment);  // the most recent: taken last
+    }
+    segment.lms.prefetched = true;
+    prefetched_.push_back(&segment);
   }
-  segment.lms.prefetched = true;
-  prefetched_.push_back(&segment);
-  stats_.apply(Mode::kLms, segment.tag, before, footprint(segment));
   count(segment, &ScopeStats::prefetches);
 }
 

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <algorithm>
+#include <exception>
+#include <string>
 
+#include "allocator/log.h"
 #include "allocator/segment.h"
 #include "allocator/stats/stats.h"
 
@@ -63,5 +66,28 @@ inline Footprint footprint(const Segment& segment) {
   print.paused = print.allocated - resident;
   return print;
 }
+
+// A change to one segment's state, as the gauges see it: the footprint when it is made, applied
+// against the footprint when it goes out of scope, however the scope is left. A state change
+// that throws half way leaves the gauges matching what it did change.
+class FootprintChange {
+ public:
+  FootprintChange(StatsBook& stats, const Segment& segment)
+      : stats_(stats), segment_(segment), before_(footprint(segment)) {}
+  ~FootprintChange() {
+    try {
+      stats_.apply(segment_.mode, segment_.tag, before_, footprint(segment_));
+    } catch (const std::exception& error) {  // a new tag scope that could not be allocated
+      log_once("footprint change", std::string("stats not updated: ") + error.what());
+    }
+  }
+  FootprintChange(const FootprintChange&) = delete;
+  FootprintChange& operator=(const FootprintChange&) = delete;
+
+ private:
+  StatsBook& stats_;
+  const Segment& segment_;
+  const Footprint before_;
+};
 
 }  // namespace tus
