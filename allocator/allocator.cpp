@@ -537,10 +537,12 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
   std::size_t copied = 0;
   bool any_paused = false;
   for (std::size_t i = 0; i < segments.size(); ++i) {
-    released += static_cast<std::size_t>(change.before[i].reserved - change.after[i].reserved);
+    released +=
+        static_cast<std::size_t>(change.before[i].reserved_bytes - change.after[i].reserved_bytes);
     // Only chunks that were resident get copied (stale ones are released without a copy).
     if (segments[i]->cpu_backup) {
-      copied += static_cast<std::size_t>(change.before[i].active - change.after[i].active);
+      copied +=
+          static_cast<std::size_t>(change.before[i].active_bytes - change.after[i].active_bytes);
     }
     any_paused = any_paused || segments[i]->paused();
   }

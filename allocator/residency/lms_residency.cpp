@@ -307,13 +307,13 @@ std::size_t LmsResidency::finish_page_out(Segment& segment, std::exception_ptr& 
   } else {
     segment.lms.state = LmsState::kAllocated;
   }
-  const auto moved = static_cast<std::size_t>(before.active - after.active);
+  const auto moved = static_cast<std::size_t>(before.active_bytes - after.active_bytes);
   count_pageout(segment, moved, seconds_since(start));
   if (segment.lms.freed && segment.lms.state == LmsState::kReclaimed) {
     mover_.discard_backup(segment);  // freed while its copy ran: the bytes are dead
     stats_.apply(Mode::kLms, segment.tag, after, footprint(segment));
   }
-  return static_cast<std::size_t>(before.reserved - after.reserved);
+  return static_cast<std::size_t>(before.reserved_bytes - after.reserved_bytes);
 }
 
 std::size_t LmsResidency::complete_page_outs(std::size_t wait_for_bytes) {

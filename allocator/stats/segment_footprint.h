@@ -25,45 +25,45 @@ inline std::size_t managed_bytes_at(const Segment& segment, MemLocation::Kind ki
 
 inline Footprint footprint(const Segment& segment) {
   Footprint print;
-  print.allocated = static_cast<std::int64_t>(segment.size);
-  print.requested = static_cast<std::int64_t>(segment.requested);
-  print.segments = 1;
+  print.allocated_bytes = static_cast<std::int64_t>(segment.size);
+  print.requested_bytes = static_cast<std::int64_t>(segment.requested);
+  print.segment = 1;
   if (segment.on_managed_memory()) {
     const auto on_device =
         static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kDevice));
     const auto on_host =
         static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kHost));
-    print.reserved = on_device;  // device memory it holds, as far as our prefetches know
-    print.active = print.allocated;
-    print.managed = print.allocated;
-    print.managed_device = on_device;
-    print.managed_host = on_host;
+    print.reserved_bytes = on_device;  // device memory it holds, as far as our prefetches know
+    print.active_bytes = print.allocated_bytes;
+    print.managed_bytes = print.allocated_bytes;
+    print.managed_device_bytes = on_device;
+    print.managed_host_bytes = on_host;
     if (segment.mode == Mode::kLms) {
       // An lms block on managed memory is reclaimed when it was paged out (prefetched to the
       // host); pages placed nowhere yet count as active.
       const bool out = segment.lms.state == LmsState::kReclaimed;
       print.reclaimed_bytes = out ? on_host : 0;
       print.reclaimed = out ? 1 : 0;
-      print.active = print.allocated - print.reclaimed_bytes;
+      print.active_bytes = print.allocated_bytes - print.reclaimed_bytes;
       print.pinned = segment.lms.pins > 0 ? 1 : 0;
-      print.pinned_bytes = segment.lms.pins > 0 ? print.allocated : 0;
+      print.pinned_bytes = segment.lms.pins > 0 ? print.allocated_bytes : 0;
     }
     return print;
   }
   const auto resident = static_cast<std::int64_t>(segment.resident_bytes());
-  print.reserved = static_cast<std::int64_t>(segment.mapped_bytes());
-  print.active = resident;
-  print.cpu_backup = static_cast<std::int64_t>(segment.backup.size);
-  print.disk_backup = segment.disk_file.empty() ? 0 : static_cast<std::int64_t>(segment.size);
+  print.reserved_bytes = static_cast<std::int64_t>(segment.mapped_bytes());
+  print.active_bytes = resident;
+  print.cpu_backup_bytes = static_cast<std::int64_t>(segment.backup.size);
+  print.disk_backup_bytes = segment.disk_file.empty() ? 0 : static_cast<std::int64_t>(segment.size);
   if (segment.mode == Mode::kLms) {
     // What is not resident is reclaimed (paged out), not paused.
-    print.reclaimed_bytes = print.allocated - resident;
+    print.reclaimed_bytes = print.allocated_bytes - resident;
     print.reclaimed = print.reclaimed_bytes > 0 ? 1 : 0;
     print.pinned = segment.lms.pins > 0 ? 1 : 0;
-    print.pinned_bytes = segment.lms.pins > 0 ? print.allocated : 0;
+    print.pinned_bytes = segment.lms.pins > 0 ? print.allocated_bytes : 0;
     return print;
   }
-  print.paused = print.allocated - resident;
+  print.paused_bytes = print.allocated_bytes - resident;
   return print;
 }
 

@@ -5,8 +5,9 @@
 
 // Gauges: current, peak, allocated (sum of increases), freed (sum of decreases). Bytes are
 // rounded to the backing's granularity, so allocated_bytes == active_bytes + paused_bytes +
-// reclaimed_bytes.
-#define TUS_GAUGE_STATS(X)                                                              \
+// reclaimed_bytes. The footprint gauges are derived from segment state: a Footprint (stats.h)
+// holds one segment's share of each, and a change to a segment applies the difference.
+#define TUS_FOOTPRINT_GAUGES(X)                                                         \
   X(allocated_bytes, "bytes of segments handed to the client, paused ones included")    \
   X(requested_bytes, "bytes the client asked for (before rounding)")                    \
   X(reserved_bytes, "device memory held from the driver, in use or cached")             \
@@ -18,11 +19,14 @@
   X(managed_bytes, "allocated bytes of managed memory")                                 \
   X(managed_device_bytes, "managed bytes our prefetches last placed on the device")     \
   X(managed_host_bytes, "managed bytes our prefetches last placed on the host")         \
-  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)")   \
   X(pinned, "lms segments pinned (in use: never reclaimed)")                            \
   X(pinned_bytes, "bytes of pinned lms segments")                                       \
   X(reclaimed, "lms segments paged out to the host")                                    \
   X(reclaimed_bytes, "bytes of paged-out lms segments (allocated, not on the device)")
+
+#define TUS_GAUGE_STATS(X) \
+  TUS_FOOTPRINT_GAUGES(X)  \
+  X(block_bytes, "bytes of blocks the global-mode cache handed to PyTorch (tensors)")
 
 // Counters: totals since the process started (reset_peak leaves them alone).
 #define TUS_COUNTER_STATS(X)                                                              \

@@ -5,21 +5,9 @@ namespace tus {
 namespace {
 
 void apply_to(ScopeStats& scope, const Footprint& before, const Footprint& after) {
-  scope.allocated_bytes.change(after.allocated - before.allocated);
-  scope.requested_bytes.change(after.requested - before.requested);
-  scope.reserved_bytes.change(after.reserved - before.reserved);
-  scope.active_bytes.change(after.active - before.active);
-  scope.paused_bytes.change(after.paused - before.paused);
-  scope.cpu_backup_bytes.change(after.cpu_backup - before.cpu_backup);
-  scope.disk_backup_bytes.change(after.disk_backup - before.disk_backup);
-  scope.segment.change(after.segments - before.segments);
-  scope.managed_bytes.change(after.managed - before.managed);
-  scope.managed_device_bytes.change(after.managed_device - before.managed_device);
-  scope.managed_host_bytes.change(after.managed_host - before.managed_host);
-  scope.pinned.change(after.pinned - before.pinned);
-  scope.pinned_bytes.change(after.pinned_bytes - before.pinned_bytes);
-  scope.reclaimed.change(after.reclaimed - before.reclaimed);
-  scope.reclaimed_bytes.change(after.reclaimed_bytes - before.reclaimed_bytes);
+#define TUS_APPLY_SHARE(name, doc) scope.name.change(after.name - before.name);
+  TUS_FOOTPRINT_GAUGES(TUS_APPLY_SHARE)
+#undef TUS_APPLY_SHARE
 }
 
 void reset_scope_peaks(ScopeStats& scope) {

@@ -41,24 +41,13 @@ struct ScopeStats {
 #undef TUS_DECLARE_TIMER
 };
 
-// What one segment contributes to the gauges; the Allocator takes one before and one after each
-// change to a segment and applies the difference, so the stats are derived from segment state.
+// What one segment contributes to the footprint gauges, a field per gauge (stat_list.h); the
+// Allocator takes one before and one after each change to a segment and applies the difference
+// (FootprintChange in segment_footprint.h), so the stats are derived from segment state.
 struct Footprint {
-  std::int64_t allocated = 0;
-  std::int64_t requested = 0;
-  std::int64_t reserved = 0;
-  std::int64_t active = 0;
-  std::int64_t paused = 0;
-  std::int64_t cpu_backup = 0;
-  std::int64_t disk_backup = 0;
-  std::int64_t segments = 0;
-  std::int64_t managed = 0;
-  std::int64_t managed_device = 0;
-  std::int64_t managed_host = 0;
-  std::int64_t pinned = 0;
-  std::int64_t pinned_bytes = 0;
-  std::int64_t reclaimed = 0;
-  std::int64_t reclaimed_bytes = 0;
+#define TUS_DECLARE_SHARE(name, doc) std::int64_t name = 0;
+  TUS_FOOTPRINT_GAUGES(TUS_DECLARE_SHARE)
+#undef TUS_DECLARE_SHARE
 };
 
 using StatValue = std::variant<std::int64_t, double>;
