@@ -74,23 +74,31 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
         for key in stats
         if key.startswith("segment.tag:") and key.endswith(".current")
     )
-    header = f"{'scope':<18}" + "".join(f"{title:>12}" for title, _, _ in _COLUMNS)
-    header += f"{'segments':>10}{'pauses':>8}{'resumes':>8}{'pause s':>9}{'resume s':>9}"
+    # Two narrow tables rather than one wide one: a terminal of 100 columns shows both (unless a
+    # tag is longer than 15 characters: tags are shown whole).
+    width = max(16, *(len(scope) + 1 for scope in scopes))
+    bytes_header = f"{'scope':<{width}}" + "".join(f"{title:>12}" for title, _, _ in _COLUMNS)
+    activity_header = f"{'scope':<{width}}{'segments':>10}{'pauses':>8}{'resumes':>8}"
+    activity_header += f"{'pause s':>10}{'resume s':>10}"
     lines = [
         f"torch_uvm_saver memory summary, device {allocator.device} "
         f"(driver: {allocator.driver.name})",
-        header,
-        "-" * len(header),
+        bytes_header,
+        "-" * len(bytes_header),
     ]
     for scope in scopes:
-        row = f"{scope:<18}"
+        row = f"{scope:<{width}}"
         row += "".join(
             f"{format_bytes(stats[f'{name}.{scope}.{field}']):>12}" for _, name, field in _COLUMNS
         )
-        row += f"{stats[f'segment.{scope}.current']:>10}"
-        row += f"{stats[f'num_pauses.{scope}']:>8}{stats[f'num_resumes.{scope}']:>8}"
-        row += f"{stats[f'pause_seconds.{scope}']:>9.3f}{stats[f'resume_seconds.{scope}']:>9.3f}"
         lines.append(row)
+    lines += ["", activity_header, "-" * len(activity_header)]
+    for scope in scopes:
+        lines.append(
+            f"{scope:<{width}}{stats[f'segment.{scope}.current']:>10}"
+            f"{stats[f'num_pauses.{scope}']:>8}{stats[f'num_resumes.{scope}']:>8}"
+            f"{stats[f'pause_seconds.{scope}']:>10.3f}{stats[f'resume_seconds.{scope}']:>10.3f}"
+        )
     lines.append(
         f"host pool: {format_bytes(stats['host_pool_bytes.current'])} pinned "
         f"({format_bytes(stats['host_pool_cached_bytes.current'])} idle), "

@@ -96,10 +96,13 @@ def test_memory_summary(process) -> None:
     tus.pause("api-w")
     summary = tus.memory_summary()
     assert "driver: sim" in summary
-    rows = {line.split()[0]: line for line in summary.splitlines()[3:] if line}
+    byte_table = summary.split("\n\n")[0].splitlines()[3:]  # the bytes, then the activity
+    rows = {line.split()[0]: line for line in byte_table}
     for scope in ("all", "vmm", "device", "tag:api-w", "tag:api-kv", "tag:api-plain"):
         assert scope in rows, summary
     assert "6.00 MiB" in rows["tag:api-w"]
+    activity = {line.split()[0]: line.split() for line in summary.split("\n\n")[1].splitlines()}
+    assert activity["tag:api-w"][1:4] == ["1", "1", "0"]  # a segment, paused once, not resumed
     assert "free of 256.00 MiB" in summary
     assert "host pool:" in summary
     tus.resume("api-w")
@@ -210,6 +213,14 @@ def test_environment_driver_in_a_fresh_process() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["sim", str(64 * MiB), str(6 * MiB), str(6 * MiB)]
+
+
+def test_memory_summary_fits_a_terminal_of_100_columns(process) -> None:
+    _, allocator = process
+    allocator.malloc(2 * MiB, tag="weights", cpu_backup=True)
+    lines = tus.memory_summary().splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert any(line.startswith("tag:weights") for line in lines)
 
 
 def test_memory_summary_shows_a_tag_with_dots(process) -> None:
