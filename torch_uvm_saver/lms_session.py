@@ -52,6 +52,7 @@ Note [Reading a paged-out tensor]
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -141,7 +142,10 @@ class _Saved:
 
     def __del__(self) -> None:
         session = self.session
-        if session is not None:
+        if session is None:
+            return
+        # At interpreter exit the session, or torch, may be half torn down: never raise here.
+        with contextlib.suppress(Exception):
             session._release_saved(self.block, self.tensor)
 
 
