@@ -109,10 +109,21 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionC
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     return allocate_segment_locked(size, stream, region).ptr;
+  } catch (const SizeOverflow& error) {
+    throw_size_overflow("malloc", size, region, error);
   } catch (const OutOfMemory&) {
     count_oom_locked(region);
     throw;
   }
+}
+
+void Allocator::throw_size_overflow(const char* call, std::size_t size, const RegionConfig& region,
+                                    const SizeOverflow& error) const {
+  // Note [Sizes past the address space] in errors.h: not counted, nothing to report but the size.
+  Message message;
+  message << call << " of " << size << " bytes (" << mode_name(region.mode) << ", tag "
+          << quoted(region.tag) << ") on device " << device_ << ": " << error.what();
+  throw SizeOverflow(message.str());
 }
 
 void Allocator::count_oom_locked(const RegionConfig& region) {
@@ -296,6 +307,8 @@ DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
   DevicePtr ptr = 0;
   try {
     ptr = blocks_.malloc(size, stream, region, &bytes);
+  } catch (const SizeOverflow& error) {
+    throw_size_overflow("block_malloc", size, region, error);
   } catch (const OutOfMemory&) {
     count_oom_locked(region);
     throw;
@@ -343,7 +356,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
                                             << mode_name(segment->mode)
                                             << " memory, not managed memory");
   }
-  if (segment != nullptr && ptr + size > segment->ptr + segment->size) {
+  if (segment != nullptr && !range_within(ptr, size, segment->ptr, segment->size)) {
     TUS_THROW(InvalidArgument, "prefetch: the range of " << size << " bytes at " << hex_address(ptr)
                                                          << " runs past its allocation");
   }

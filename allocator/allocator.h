@@ -37,6 +37,7 @@
 #include "allocator/backing/vmm_backing.h"
 #include "allocator/caching/block_cache.h"
 #include "allocator/driver/driver.h"
+#include "allocator/errors.h"
 #include "allocator/region_config.h"
 #include "allocator/residency/copy_engine.h"
 #include "allocator/residency/disk_backup.h"
@@ -82,7 +83,9 @@ class Allocator final : private SegmentSource {
   int device() const { return device_; }
   const std::shared_ptr<Driver>& driver() const { return driver_; }
 
-  // Throws OutOfMemory (with the device's free and used bytes in the message) or CudaError.
+  // Throws OutOfMemory (with the device's free and used bytes in the message) or CudaError; a
+  // size that cannot be represented once rounded is a SizeOverflow, raised before anything
+  // changes (Note [Sizes past the address space] in errors.h).
   DevicePtr malloc(std::size_t size, StreamHandle stream, const RegionConfig& region);
   // Never throws: a driver error is logged once and counted in num_free_failures. Freeing a
   // paused segment releases its address range and backup; its physical memory is already gone.
@@ -193,6 +196,8 @@ class Allocator final : private SegmentSource {
                                    const RegionConfig& region, bool single_block = false);
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
   void make_room_for_lms_locked(std::size_t size, const std::string& tag, bool for_page_in = false);
+  OutOfMemory lms_out_of_memory_locked(std::size_t size, const std::string& tag, std::size_t limit,
+                                       bool for_page_in);
   void make_room_for_page_in_locked(Segment& segment);
   void keep_lms_headroom_locked();
   void prefetch_ahead_locked(StreamHandle stream);
@@ -201,6 +206,9 @@ class Allocator final : private SegmentSource {
   bool unpin_locked(DevicePtr ptr, bool strict);
   std::size_t held_locked() const;  // device memory held, every mode
   void count_oom_locked(const RegionConfig& region);
+  [[noreturn]] void throw_size_overflow(const char* call, std::size_t size,
+                                        const RegionConfig& region,
+                                        const SizeOverflow& error) const;
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);
   std::vector<Segment*> managed_segments_locked();

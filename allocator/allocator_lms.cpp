@@ -52,9 +52,12 @@ void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& ta
   AllocDistribution& counts = for_page_in ? scratch : lms_.distribution();
   const std::size_t limit = lms_.limit(held_locked());
   auto excess = [&] {
-    const std::size_t held = held_locked();
-    return held + size > limit ? held + size - limit : 0;
+    // Saturating: held + size wraps for a size near 2**64, and would read as room to spare.
+    const std::size_t needed = saturating_add(held_locked(), size);
+    return needed > limit ? needed - limit : 0;
   };
+  // A request past the whole limit never fits: paging everything out first would only cost.
+  if (size > limit) throw lms_out_of_memory_locked(size, tag, limit, for_page_in);
   if (excess() > 0) lms_.complete_page_outs(0);  // copies that are done release their memory
   if (excess() == 0) {
     ++counts.cudamalloc;
@@ -92,16 +95,22 @@ void Allocator::make_room_for_lms_locked(std::size_t size, const std::string& ta
       break;
   }
   if (excess() == 0) return;
+  throw lms_out_of_memory_locked(size, tag, limit, for_page_in);
+}
+
+OutOfMemory Allocator::lms_out_of_memory_locked(std::size_t size, const std::string& tag,
+                                                std::size_t limit, bool for_page_in) {
   const ScopeStats& lms = stats_.mode(Mode::kLms);
-  TUS_THROW(OutOfMemory, "lms: out of memory "
-                             << (for_page_in ? "paging in " : "allocating ") << format_bytes(size)
-                             << " (tag '" << tag << "') under the limit of " << format_bytes(limit)
-                             << ": " << format_bytes(held_locked()) << " held on the device, "
-                             << format_bytes(lms.pinned_bytes.current) << " of it pinned, "
-                             << format_bytes(lms_.inactive_bytes()) << " inactive and reclaimable, "
-                             << format_bytes(lms.reclaimed_bytes.current)
-                             << " already paged out. Unpin tensors that are not in use, raise "
-                                "set_limit_lms, or lower set_size_lms so that more blocks can go");
+  Message message;
+  message << "lms: out of memory " << (for_page_in ? "paging in " : "allocating ")
+          << format_bytes(size) << " (tag '" << tag << "') under the limit of "
+          << format_bytes(limit) << ": " << format_bytes(held_locked()) << " held on the device, "
+          << format_bytes(lms.pinned_bytes.current) << " of it pinned, "
+          << format_bytes(lms_.inactive_bytes()) << " inactive and reclaimable, "
+          << format_bytes(lms.reclaimed_bytes.current)
+          << " already paged out. Unpin tensors that are not in use, raise set_limit_lms, or "
+             "lower set_size_lms so that more blocks can go";
+  return OutOfMemory(located(__FILE__, __LINE__, message.str()));
 }
 
 void Allocator::keep_lms_headroom_locked() {

@@ -21,6 +21,18 @@ class OutOfMemory : public Error {
 };
 
 // A driver call failed. `code` is the CUresult (or the simulated driver's stand-in for it).
+// Note [Sizes past the address space]
+//  A request whose size, rounded up to a granularity, a size class or a segment size, would pass
+//  2**64 - 1 bytes cannot be represented: the rounding would wrap to a small number and the
+//  request would get a tiny block (or reach the driver as size 0). It is an out-of-memory error,
+//  as PyTorch's is for an absurd size, but one no device could satisfy: it is raised before
+//  anything changes, is not counted in num_ooms (the device never refused anything), and no
+//  out-of-memory ladder frees caches or pages memory out for it.
+class SizeOverflow : public OutOfMemory {
+ public:
+  using OutOfMemory::OutOfMemory;
+};
+
 class CudaError : public Error {
  public:
   CudaError(const std::string& what, int code) : Error(what), code_(code) {}

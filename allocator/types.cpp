@@ -3,6 +3,7 @@
 #include "allocator/errors.h"
 
 #include <cstdio>
+#include <limits>
 
 namespace tus {
 
@@ -31,6 +32,16 @@ std::string format_bytes(std::size_t bytes) {
   char text[32];
   std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
   return text;
+}
+
+std::size_t round_up_checked(std::size_t value, std::size_t multiple) {
+  const std::size_t largest = std::numeric_limits<std::size_t>::max() / multiple * multiple;
+  if (value > largest) {
+    TUS_THROW(SizeOverflow,
+              value << " bytes cannot be represented once rounded up to a multiple of " << multiple
+                    << " bytes (past 2**64 - 1)");
+  }
+  return round_up(value, multiple);
 }
 
 Mode parse_mode(const std::string& name) {

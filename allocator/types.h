@@ -53,8 +53,23 @@ const char* mode_name(Mode mode);
 std::string format_bytes(std::size_t bytes);
 Mode parse_mode(const std::string& name);  // throws InvalidArgument naming the valid modes
 
+// Wraps past 2**64 - 1: for sizes a client asked for, use round_up_checked.
 inline std::size_t round_up(std::size_t value, std::size_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
+}
+
+// round_up for a requested size: throws SizeOverflow (errors.h) naming both numbers when the
+// result would not fit in a size_t, where round_up would wrap to a small number.
+std::size_t round_up_checked(std::size_t value, std::size_t multiple);
+
+// a + b, or the largest size_t where that would wrap (for messages and comparisons).
+inline std::size_t saturating_add(std::size_t a, std::size_t b) {
+  return a > SIZE_MAX - b ? SIZE_MAX : a + b;
+}
+
+// True when [ptr, ptr + size) lies inside [start, start + length); no sum that could wrap.
+inline bool range_within(DevicePtr ptr, std::size_t size, DevicePtr start, std::size_t length) {
+  return ptr >= start && ptr - start <= length && size <= length - (ptr - start);
 }
 
 }  // namespace tus

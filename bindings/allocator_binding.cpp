@@ -55,17 +55,37 @@ py::dict segment_dict(const SegmentInfo& info) {
   return out;
 }
 
+// A Python size as the core's size_t. One past 2**64 - 1 bytes (a huge expanded tensor's
+// nbytes, say) is a size the core could not represent either: the same SizeOverflow
+// (Note [Sizes past the address space] in errors.h), not pybind11's TypeError.
+std::size_t requested_size(const char* call, const py::object& size) {
+  const auto number = py::reinterpret_steal<py::int_>(PyNumber_Index(size.ptr()));
+  if (!number) throw py::error_already_set();
+  if (number < py::int_(0)) {
+    TUS_THROW(InvalidArgument,
+              call << ": a size is >= 0 bytes, got " << py::str(number).cast<std::string>());
+  }
+  const std::size_t bytes = PyLong_AsSize_t(number.ptr());
+  if (bytes == static_cast<std::size_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    TUS_THROW(SizeOverflow, call << " of " << py::str(number).cast<std::string>()
+                                 << " bytes: the size cannot be represented (past 2**64 - 1)");
+  }
+  return bytes;
+}
+
 // Python's malloc/block_malloc: region arguments as the Python side spells them, GIL released
 // around the call (it takes the allocator's lock).
 using AllocateMethod = DevicePtr (Allocator::*)(std::size_t, StreamHandle, const RegionConfig&);
-auto allocating(AllocateMethod method) {
-  return [method](Allocator& self, std::size_t size, const std::string& tag,
-                  const std::string& mode, bool cpu_backup, std::uintptr_t stream,
-                  const Location& preferred, const Location& accessed_by, bool read_mostly) {
+auto allocating(const char* call, AllocateMethod method) {
+  return [call, method](Allocator& self, const py::object& size, const std::string& tag,
+                        const std::string& mode, bool cpu_backup, std::uintptr_t stream,
+                        const Location& preferred, const Location& accessed_by, bool read_mostly) {
+    const std::size_t bytes = requested_size(call, size);
     const RegionConfig region =
         make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
     py::gil_scoped_release release;
-    return (self.*method)(size, reinterpret_cast<StreamHandle>(stream), region);
+    return (self.*method)(bytes, reinterpret_cast<StreamHandle>(stream), region);
   };
 }
 
@@ -83,11 +103,12 @@ void bind_allocator(py::module_& module) {
            py::arg("chunk_bytes") = AllocatorOptions{}.chunk_bytes)
       .def_property_readonly("device", &Allocator::device)
       .def_property_readonly("driver", &Allocator::driver)
-      .def("malloc", allocating(&Allocator::malloc), py::arg("size"), py::arg("tag") = "default",
-           py::arg("mode") = "vmm", py::arg("cpu_backup") = false, py::arg("stream") = 0,
-           py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
-           py::arg("read_mostly") = false, "A segment of its own (what torch hook mode calls).")
-      .def("block_malloc", allocating(&Allocator::block_malloc), py::arg("size"),
+      .def("malloc", allocating("malloc", &Allocator::malloc), py::arg("size"),
+           py::arg("tag") = "default", py::arg("mode") = "vmm", py::arg("cpu_backup") = false,
+           py::arg("stream") = 0, py::arg("preferred_location") = py::none(),
+           py::arg("accessed_by") = py::none(), py::arg("read_mostly") = false,
+           "A segment of its own (what torch hook mode calls).")
+      .def("block_malloc", allocating("block_malloc", &Allocator::block_malloc), py::arg("size"),
            py::arg("tag") = "default", py::arg("mode") = "device", py::arg("cpu_backup") = false,
            py::arg("stream") = 0, py::arg("preferred_location") = py::none(),
            py::arg("accessed_by") = py::none(), py::arg("read_mostly") = false,

@@ -21,7 +21,8 @@ class Backing {
 
   virtual const char* name() const = 0;
   virtual BackingCapabilities capabilities() const = 0;
-  // The size a request of `requested` bytes occupies.
+  // The size a request of `requested` bytes occupies. Throws SizeOverflow when that cannot be
+  // represented (Note [Sizes past the address space] in errors.h).
   virtual std::size_t rounded_size(std::size_t requested) = 0;
   // Gives `segment` (size already rounded) an address and resident memory. On failure it holds
   // nothing and throws.

@@ -7,7 +7,7 @@ constexpr std::size_t kDeviceAlignment = 512;  // cuMemAlloc's own alignment
 }
 
 std::size_t DeviceBacking::rounded_size(std::size_t requested) {
-  return round_up(requested == 0 ? 1 : requested, kDeviceAlignment);
+  return round_up_checked(requested == 0 ? 1 : requested, kDeviceAlignment);
 }
 
 void DeviceBacking::allocate(Segment& segment) {

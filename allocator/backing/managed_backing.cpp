@@ -9,8 +9,8 @@ namespace tus {
 
 std::size_t ManagedBacking::rounded_size(std::size_t requested) {
   const std::size_t bytes = requested == 0 ? 1 : requested;
-  if (bytes >= ManagedState::kPageBytes) return round_up(bytes, ManagedState::kPageBytes);
-  return round_up(bytes, static_cast<std::size_t>(getpagesize()));
+  if (bytes >= ManagedState::kPageBytes) return round_up_checked(bytes, ManagedState::kPageBytes);
+  return round_up_checked(bytes, static_cast<std::size_t>(getpagesize()));
 }
 
 void ManagedBacking::allocate(Segment& segment) {

@@ -17,12 +17,14 @@ std::size_t VmmBacking::granularity() {
 }
 
 std::size_t VmmBacking::rounded_size(std::size_t requested) {
-  return round_up(requested == 0 ? 1 : requested, granularity());
+  return round_up_checked(requested == 0 ? 1 : requested, granularity());
 }
 
 void VmmBacking::allocate(Segment& segment) {
+  // No larger than the segment before rounding: a chunk size near 2**64 would wrap to 0 (and
+  // the loop below would never end); the segment's size is a multiple of the granularity.
   const std::size_t chunk_bytes =
-      round_up(std::max<std::size_t>(requested_chunk_bytes_, 1), granularity());
+      round_up(std::clamp<std::size_t>(requested_chunk_bytes_, 1, segment.size), granularity());
   segment.ptr = address_ranges_.take(segment.size);
   segment.chunks.clear();
   for (std::size_t offset = 0; offset < segment.size; offset += chunk_bytes) {

@@ -80,16 +80,15 @@ BlockCache::Block* BlockCache::best_fit(Pool& pool, StreamHandle stream, std::si
   return block;
 }
 
-BlockCache::Block* BlockCache::new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
-                                                 const RegionConfig& region) {
-  std::size_t segment_size = round_up(size, 2 * kMiB);
-  if (pool.key.single) {
-    // exactly its size
-  } else if (pool.key.small) {
-    segment_size = kSmallSegment;
-  } else if (size <= kMediumRequest) {
-    segment_size = kMediumSegment;
-  }
+std::size_t BlockCache::segment_bytes(std::size_t rounded, bool small, bool single) {
+  if (single) return rounded;  // exactly its size, already a multiple of 2 MiB
+  if (small) return kSmallSegment;
+  if (rounded <= kMediumRequest) return kMediumSegment;
+  return round_up_checked(rounded, 2 * kMiB);
+}
+
+BlockCache::Block* BlockCache::new_segment_block(Pool& pool, std::size_t segment_size,
+                                                 StreamHandle stream, const RegionConfig& region) {
   Segment& segment = source_.allocate_segment(segment_size, stream, region, pool.key.single);
   auto* block = new Block;
   block->ptr = segment.ptr;
@@ -122,11 +121,15 @@ void BlockCache::split(Block* block, std::size_t size) {
 
 DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
                              std::size_t* block_bytes) {
-  std::size_t rounded = round_up(size == 0 ? 1 : size, kRound);
+  // Every rounding first, checked: a size that cannot be represented fails before anything
+  // changes (Note [Sizes past the address space] in errors.h).
+  std::size_t rounded = round_up_checked(size == 0 ? 1 : size, kRound);
   const std::size_t single_from = source_.single_block_bytes(region.mode);
   const bool single = single_from > 0 && rounded >= single_from;
-  if (single) rounded = round_up(rounded, 2 * kMiB);
-  Pool& pool = pool_for(region, !single && rounded <= kSmallRequest, single);
+  if (single) rounded = round_up_checked(rounded, 2 * kMiB);
+  const bool small = !single && rounded <= kSmallRequest;
+  const std::size_t segment_size = segment_bytes(rounded, small, single);
+  Pool& pool = pool_for(region, small, single);
   // Blocks whose other streams have finished go back first, so they are found by the best fit
   // (as PyTorch processes its events at every malloc). Nothing to do on the usual path.
   if (!pending_.empty()) process_pending_frees(false);
@@ -134,14 +137,16 @@ DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const Region
   if (block == nullptr) {
     ++counters_.cache_misses;
     try {
-      block = new_segment_block(pool, rounded, stream, region);
+      block = new_segment_block(pool, segment_size, stream, region);
+    } catch (const SizeOverflow&) {
+      throw;  // the source's own rounding: no ladder can help
     } catch (const OutOfMemory&) {
       // The ladder: wait for pending frees, give back every wholly free segment, retry once.
       ++counters_.alloc_retries;
       process_pending_frees(true);
       release_free_segments();
       block = take_cached(pool, stream, rounded);
-      if (block == nullptr) block = new_segment_block(pool, rounded, stream, region);
+      if (block == nullptr) block = new_segment_block(pool, segment_size, stream, region);
     }
   }
   split(block, rounded);

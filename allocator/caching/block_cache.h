@@ -129,7 +129,9 @@ class BlockCache {
   Block* best_fit(Pool& pool, StreamHandle stream, std::size_t size);
   // best_fit, and the source told the block is in use again.
   Block* take_cached(Pool& pool, StreamHandle stream, std::size_t size);
-  Block* new_segment_block(Pool& pool, std::size_t size, StreamHandle stream,
+  // The segment a block of `rounded` bytes is cut from (the size classes above).
+  static std::size_t segment_bytes(std::size_t rounded, bool small, bool single);
+  Block* new_segment_block(Pool& pool, std::size_t segment_size, StreamHandle stream,
                            const RegionConfig& region);
   void split(Block* block, std::size_t size);
   void return_to_pool(Block* block);

@@ -155,7 +155,11 @@ DevicePtr SimDriver::reserve_address(int device, std::size_t size) {
              " is not a multiple "
              "of the granularity");
   }
-  // Over-reserve and trim so the range is aligned to the granularity, as CUDA's are.
+  // Over-reserve and trim so the range is aligned to the granularity, as CUDA's are. A size
+  // the padding would wrap is more address space than there is, as CUDA would say.
+  if (size > SIZE_MAX - granularity_) {
+    fail("reserve_address", kOutOfMemoryCode, "no address range of " + std::to_string(size));
+  }
   const std::size_t padded = size + granularity_;
   void* raw = mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) fail("reserve_address", kOutOfMemoryCode, system_error("mmap"));
@@ -173,7 +177,7 @@ std::map<DevicePtr, std::size_t>::const_iterator SimDriver::reservation_containi
   auto it = reservations_.upper_bound(ptr);
   if (it == reservations_.begin()) return reservations_.end();
   --it;
-  if (ptr + size > it->first + it->second) return reservations_.end();
+  if (!range_within(ptr, size, it->first, it->second)) return reservations_.end();
   return it;
 }
 
@@ -289,8 +293,12 @@ void SimDriver::set_access(int device, DevicePtr ptr, std::size_t size) {
 DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   enter_locked("mem_alloc", device);
-  const std::size_t rounded =
-      round_up(size == 0 ? 1 : size, static_cast<std::size_t>(getpagesize()));
+  const std::size_t page = static_cast<std::size_t>(getpagesize());
+  // More than any device has, as CUDA says of it, before the page rounding wraps.
+  if (size > SIZE_MAX - page) {
+    fail("mem_alloc", kOutOfMemoryCode, "out of memory asking for " + std::to_string(size));
+  }
+  const std::size_t rounded = round_up(size == 0 ? 1 : size, page);
   charge_locked(device, rounded, "mem_alloc");
   void* ptr = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (ptr == MAP_FAILED) {
@@ -503,7 +511,7 @@ bool inside_one(const Map& ranges, DevicePtr ptr, std::size_t size, SizeOf size_
   auto it = ranges.upper_bound(ptr);
   if (it == ranges.begin()) return false;
   --it;
-  return ptr + size <= it->first + size_of(it->second);
+  return range_within(ptr, size, it->first, size_of(it->second));
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 namespace tus {
 
 namespace {
@@ -25,6 +27,10 @@ SimManagedSpace::~SimManagedSpace() {
 }
 
 DevicePtr SimManagedSpace::allocate(int, std::size_t size) {
+  if (size > SIZE_MAX - page_bytes()) {  // the page rounding would wrap: no host has that much
+    errno = ENOMEM;
+    return 0;
+  }
   const std::size_t rounded = round_up(size == 0 ? 1 : size, page_bytes());
   void* ptr = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (ptr == MAP_FAILED) return 0;
@@ -51,7 +57,7 @@ bool SimManagedSpace::covers(DevicePtr ptr, std::size_t size) const {
   auto it = allocations_.upper_bound(ptr);
   if (it == allocations_.begin()) return false;
   --it;
-  return ptr >= it->first && ptr + size <= it->first + it->second.size;
+  return range_within(ptr, size, it->first, it->second.size);
 }
 
 template <typename Visit>

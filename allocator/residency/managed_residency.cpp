@@ -60,7 +60,8 @@ void ManagedResidency::check_guard(std::size_t size, const std::string& tag) {
   stats_.for_scopes(Mode::kManaged, tag, [](ScopeStats& scope) { ++scope.num_managed_refusals; });
   TUS_THROW(OutOfMemory, "managed allocation of "
                              << format_bytes(size) << " (tag '" << tag
-                             << "') refused: the process would hold " << format_bytes(total + size)
+                             << "') refused: the process would hold "
+                             << format_bytes(saturating_add(total, size))
                              << " of managed memory, past " << source.str()
                              << ". More managed memory than the GPU has free can hang "
                                 "it; use a device budget (set_device_budget) to "
@@ -75,8 +76,8 @@ MemLocation ManagedResidency::home_of(const Segment& segment) const {
 }
 
 void ManagedResidency::admit(Segment& segment, StreamHandle stream) {
-  const std::size_t pages =
-      (segment.size + ManagedState::kPageBytes - 1) / ManagedState::kPageBytes;
+  const std::size_t pages = segment.size / ManagedState::kPageBytes +
+                            (segment.size % ManagedState::kPageBytes != 0 ? 1 : 0);
   segment.managed.pages.assign(pages, MemLocation::Kind::kNone);
   segment.managed.last_use = ++clock_;
   process_total_ += segment.size;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_uvm_saver import _C
 from torch_uvm_saver.errors import InvalidArgumentError, OutOfMemoryError
 
 MiB = 1 << 20
@@ -254,3 +255,40 @@ def test_allocator_destruction_frees_everything(make_pair) -> None:
     assert driver.used_bytes() == 0
     assert driver.mapped_ranges() == 0
     assert driver.pinned_host_bytes() == 0
+
+
+# Sizes whose rounding to the mode's granularity (512 B for device memory, 2 MiB otherwise)
+# cannot be represented in 64 bits. They used to wrap to 0: a pointer to a 0-byte block with
+# negative requested_bytes, or a driver error about size 0.
+UNREPRESENTABLE = [
+    *(
+        (mode, size)
+        for mode in ("vmm", "device", "managed", "lms")
+        for size in (2**64 - 1, 2**64 - 511)
+    ),
+    *((mode, 2**64 - 2 * MiB + 1) for mode in ("vmm", "managed", "lms")),
+]
+
+
+@pytest.mark.parametrize(("mode", "size"), UNREPRESENTABLE)
+def test_a_size_that_cannot_be_rounded_is_out_of_memory(driver, allocator, mode, size) -> None:
+    kept = allocator.malloc(4 * MiB, tag="kept", mode=mode)
+    before = allocator.stats()
+    used = driver.used_bytes()
+    with pytest.raises(OutOfMemoryError, match=str(size)) as raised:
+        allocator.malloc(size, tag="huge", mode=mode)
+    assert isinstance(raised.value, torch.OutOfMemoryError)
+    assert "cannot be represented" in str(raised.value)
+    assert allocator.stats() == before  # raised before anything changed: no stat moved
+    assert driver.used_bytes() == used
+    assert [s["ptr"] for s in allocator.segments()] == [kept]
+    assert allocator.tags() == ["kept"]
+    allocator.free(kept)
+
+
+def test_a_chunk_size_too_large_to_round_means_one_chunk_per_segment(driver) -> None:
+    allocator = _C.Allocator(driver, device=0, chunk_bytes=2**64 - 1)
+    ptr = allocator.malloc(6 * MiB, tag="t")
+    assert driver.mapped_ranges() == 1
+    allocator.free(ptr)
+    assert driver.used_bytes() == 0

@@ -167,3 +167,19 @@ def test_random_workload_keeps_blocks_disjoint_and_contents_intact(driver, alloc
     allocator.empty_cache()
     assert driver.used_bytes() == 0
     assert allocator.stats()["block_bytes.all.current"] == 0
+
+
+@pytest.mark.parametrize("mode", ["device", "vmm", "lms"])
+@pytest.mark.parametrize("size", [2**64 - 1, 2**64 - 511, 2**64 - 512, 2**64 - 2 * MiB + 1])
+def test_a_size_that_cannot_be_rounded_is_out_of_memory(driver, allocator, mode, size) -> None:
+    # 2**64 - 512 rounds to 512 bytes exactly but not to its 2 MiB segment: it used to get a
+    # 512-byte segment and report 2**64 - 512 block bytes in it.
+    cached = alloc(allocator, 4 * MiB, mode=mode)
+    allocator.block_free(cached)  # a free block the request must not be handed
+    before = allocator.stats()
+    used = driver.used_bytes()
+    with pytest.raises(OutOfMemoryError, match=str(size)):
+        alloc(allocator, size, mode=mode)
+    assert allocator.stats() == before
+    assert driver.used_bytes() == used
+    assert alloc(allocator, 4 * MiB, mode=mode) == cached  # the cache is as it was

@@ -108,6 +108,16 @@ def test_out_of_memory_reports_the_numbers(lms) -> None:
     assert not resident(lms, ptrs[3])
 
 
+@pytest.mark.parametrize("size", [32 * MiB, 2**64 - 2 * MiB])
+def test_a_request_past_the_whole_limit_pages_nothing_out(lms, size) -> None:
+    # 2**64 - 2 MiB is representable, but held + size wrapped and read as room to spare.
+    ptrs = [block(lms) for _ in range(3)]  # 12 MiB, inactive and reclaimable
+    with pytest.raises(OutOfMemoryError, match=r"under the limit of 16\.00 MiB"):
+        lms.block_malloc(size, mode="lms", stream=STREAM)
+    assert all(resident(lms, ptr) for ptr in ptrs)  # no reclaim can make room: none was tried
+    assert lms.stats()["reclaimed_bytes.all.current"] == 0
+
+
 def test_bytes_survive_page_out_and_in(lms, fill, peek, consistent) -> None:
     ptrs = [block(lms) for _ in range(4)]
     data = [fill(p, 4 * MiB) for p in ptrs]

@@ -143,6 +143,29 @@ def test_managed_limit_through_the_package(process) -> None:
         tus.set_managed_limit(-1)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "count"),
+    [(torch.float64, 2**61 - 1), (torch.float32, 2**62)],  # 2**64 - 8 and 2**64 bytes
+)
+def test_managing_a_tensor_too_large_to_represent_is_out_of_memory(process, dtype, count) -> None:
+    _, allocator = process
+    huge = torch.zeros(1, dtype=dtype).expand(count)  # stride 0: no memory behind it
+    nbytes = count * huge.element_size()
+    before = allocator.stats()
+    with pytest.raises(OutOfMemoryError, match=str(nbytes)):
+        tus.manage_memory(huge)
+    assert allocator.stats() == before
+    assert allocator.segments() == []
+
+
+def test_prefetch_past_the_end_of_an_allocation_is_refused(process) -> None:
+    _, allocator = process
+    ptr = allocator.malloc(4 * MiB, tag="m", mode="managed")
+    with pytest.raises(InvalidArgumentError, match="runs past"):
+        allocator.prefetch(ptr, 2**64 - 1, "cpu")  # ptr + size wrapped below the end
+    allocator.free(ptr)
+
+
 def test_device_budget_through_the_package(process) -> None:
     tus.set_device_budget(6 * MiB)
     assert tus.get_device_budget() == 6 * MiB
