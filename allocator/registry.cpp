@@ -59,17 +59,32 @@ Allocator& Registry::allocator(int device) {
 }
 
 std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
-  if (device < 0 || device >= kMaxDevices) {
-    TUS_THROW(InvalidArgument, "device " << device << " is out of range");
-  }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!owned_[device]) {
-    owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
-    owned_[device]->set_default_backup_policy(default_policy_);
-    if (disk_settings_) owned_[device]->set_disk_backup_settings(*disk_settings_);
-    fast_[device].store(owned_[device].get(), std::memory_order_release);
-  }
+  if (device >= 0 && device < kMaxDevices && owned_[device]) return owned_[device];
+  check_device_locked(device);
+  owned_[device] = std::make_shared<Allocator>(driver_locked(), device, options_);
+  owned_[device]->set_default_backup_policy(default_policy_);
+  if (disk_settings_) owned_[device]->set_disk_backup_settings(*disk_settings_);
+  fast_[device].store(owned_[device].get(), std::memory_order_release);
   return owned_[device];
+}
+
+void Registry::check_device_locked(int device) {
+  // The one check of a device index (the Python API forwards it): an allocator made for a device
+  // that does not exist would report stats of nothing and take settings nothing uses. Asked
+  // once per device, when its allocator is made, so the fast path makes no driver call.
+  const int count = driver_locked()->device_count();
+  if (device >= kMaxDevices && count > kMaxDevices) {
+    TUS_THROW(InvalidArgument, "device " << device << ": torch_uvm_saver serves devices 0 to "
+                                         << kMaxDevices - 1 << " of the " << count
+                                         << " the driver sees");
+  }
+  if (device >= 0 && device < count) return;
+  Message valid;
+  if (count > 0) valid << "; valid indices are 0 to " << count - 1;
+  TUS_THROW(InvalidArgument, "device " << device << " does not exist: the " << driver_->name()
+                                       << " driver sees " << count
+                                       << (count == 1 ? " device" : " devices") << valid.str());
 }
 
 std::vector<std::shared_ptr<Allocator>> Registry::allocators() {

@@ -36,7 +36,8 @@ class Registry {
 
   static Registry& instance();
 
-  // The device's allocator, created on first use. Throws InvalidArgument for a bad ordinal.
+  // The device's allocator, created on first use. Throws InvalidArgument, creating nothing, for
+  // an ordinal outside [0, device_count) of the driver.
   Allocator& allocator(int device);
   std::shared_ptr<Allocator> shared_allocator(int device);
   // Allocators created so far, in device order.
@@ -81,6 +82,7 @@ class Registry {
  private:
   Registry() = default;
   std::shared_ptr<Driver> driver_locked();
+  void check_device_locked(int device);
   void apply_disk_settings_locked();
 
   std::mutex mutex_;

@@ -15,7 +15,11 @@ MODES = ("vmm", "device", "managed", "lms")
 
 
 def device_index(device: DeviceLike = None) -> int:
-    """The CUDA ordinal meant by ``device``; None is the current device (0 without CUDA)."""
+    """The CUDA ordinal meant by ``device``; None is the current device (0 without CUDA).
+
+    Not checked here: the native registry refuses an index outside [0, device_count) where it
+    makes allocators, with the one message (ARCHITECTURE.md, decision 11).
+    """
     if device is None:
         if torch.cuda.is_available():
             return torch.cuda.current_device()
@@ -27,8 +31,6 @@ def device_index(device: DeviceLike = None) -> int:
         if parsed.type != "cuda":
             raise InvalidArgumentError(f"expected a CUDA device, got {device!r}")
         index = parsed.index if parsed.index is not None else device_index(None)
-    if index < 0:
-        raise InvalidArgumentError(f"device index must be >= 0, got {index}")
     return index
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_uvm_saver as tus
-from torch_uvm_saver import _C
+from torch_uvm_saver import _C, _native
 from torch_uvm_saver.errors import (
     CudaError,
     InvalidArgumentError,
@@ -106,6 +106,28 @@ def test_memory_summary(process) -> None:
     assert "free of 256.00 MiB" in summary
     assert "host pool:" in summary
     tus.resume("api-w")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda device: tus.memory_stats(device),
+        lambda device: tus.memory_summary(device),
+        lambda device: tus.reset_peak_memory_stats(device),
+        lambda device: tus.set_device_budget(1, device=device),
+        lambda device: tus.set_limit_lms(MiB, device=device),
+        lambda device: _C.get_allocator(_native.device_index(device)),
+    ],
+    ids=["memory_stats", "memory_summary", "reset_peak", "set_device_budget", "lms", "native"],
+)
+@pytest.mark.parametrize("device", [5, "cuda:1", -1])
+def test_a_device_that_does_not_exist_is_refused(process, call, device) -> None:
+    # The process driver simulates one device: there is no allocator to make for another.
+    before = [allocator.device for allocator in _C.allocators()]
+    index = device if isinstance(device, int) else 1
+    with pytest.raises(InvalidArgumentError, match=rf"device {index} .*1 device"):
+        call(device)
+    assert [allocator.device for allocator in _C.allocators()] == before == [0]
 
 
 def test_reset_peak_memory_stats(process) -> None:
