@@ -329,7 +329,12 @@ bool Allocator::block_free(DevicePtr ptr) noexcept {
   std::size_t bytes = 0;
   Segment* segment = nullptr;
   if (!blocks_.free(ptr, &bytes, &segment)) return false;
-  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.release(*segment);
+  if (segment->mode == Mode::kLms && segment->lms.reclaimable) {
+    lms_.release(*segment);
+    // A block freed while pinned sees no unpin, where page-ins are otherwise retired: its
+    // page-in's host buffer goes back to the pool here once the copy is done, not at the next pin.
+    if (pauser_.async_in_flight() > 0) pauser_.retire_async(false);
+  }
   stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
   });
@@ -763,6 +768,9 @@ void Allocator::reset_peak() {
 
 std::size_t Allocator::release_host_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Buffers of LMS page-ins whose copies are done go to the pool first, so trim() frees them: they
+  // are retired at pins otherwise, and a program that stopped pinning would keep them for good.
+  pauser_.retire_async(false);
   // trim() drops the pool's demand with the prepared buffers: nothing is pinned again until a
   // segment's next pause or resume (Note [Pinning ahead]).
   for (auto& [ptr, segment] : segments_) segment->pin_ahead_expected = false;

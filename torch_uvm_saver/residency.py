@@ -151,6 +151,8 @@ def get_disk_backup_chunk_bytes() -> int:
 def release_host_cache() -> int:
     """Free the pooled pinned host buffers that no backup is using; returns the bytes freed.
 
+    The host copies of LMS page-ins whose copies back to the device are done are freed too.
+
     Buffers pinned ahead of a first pause (``set_pin_ahead``) are freed too, and are not pinned
     again until the segment's next pause or resume.
     """

@@ -143,6 +143,24 @@ def test_freeing_a_reclaimed_block_needs_no_page_in(driver, lms, consistent) -> 
     assert consistent(lms)["pagein_bytes.lms"] == 0
 
 
+def test_a_block_freed_while_pinned_after_a_page_in_gives_its_host_buffer_back(
+    driver, lms, fill, peek
+) -> None:
+    ptr = block(lms)
+    data = fill(ptr, 4 * MiB)
+    lms.reclaim_inactive()
+    assert driver.pinned_host_bytes() == 4 * MiB  # the page-out's buffer
+    assert lms.pin(ptr, STREAM)  # paged in: the buffer is held until the copy back is done
+    assert peek(ptr, 4 * MiB) == data
+    assert lms.block_free(ptr)  # freed while pinned: no unpin comes to retire the page-in
+    assert lms.stats()["host_pool_cached_bytes.current"] == 4 * MiB  # back in the pool at once
+    lms.release_host_cache()
+    assert driver.pinned_host_bytes() == 0
+    stats = lms.stats()
+    assert stats["host_pool_bytes.current"] == 0
+    assert stats["host_pool_cached_bytes.current"] == 0
+
+
 def test_small_blocks_are_never_reclaimed(lms) -> None:
     lms.set_lms_limit(64 * MiB)
     lms.set_lms_size(8 * MiB)
