@@ -329,12 +329,7 @@ bool Allocator::block_free(DevicePtr ptr) noexcept {
   std::size_t bytes = 0;
   Segment* segment = nullptr;
   if (!blocks_.free(ptr, &bytes, &segment)) return false;
-  if (segment->mode == Mode::kLms && segment->lms.reclaimable) {
-    lms_.release(*segment);
-    // A block freed while pinned sees no unpin, where page-ins are otherwise retired: its
-    // page-in's host buffer goes back to the pool here once the copy is done, not at the next pin.
-    if (pauser_.async_in_flight() > 0) pauser_.retire_async(false);
-  }
+  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.release(*segment);
   stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
   });

@@ -77,34 +77,22 @@ def lms_session(
     limit: int,
     modules: Iterable[torch.nn.Module] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
-    *,
-    device: torch.device | str | int | None = None,
-    budget: int | None = None,
-    prefetch_depth: int | None = None,
-    min_bytes: int = DEFAULT_MIN_BYTES,
+    **options: Any,
 ) -> LmsSession:
     """A session that trains ``modules`` with ``optimizers`` under ``limit`` bytes of device memory.
 
-    ``budget`` (default ``limit - limit / 8``) is what the managed storages may hold on the device
-    together; it drops by itself when an operator runs out of memory. ``prefetch_depth``: how
-    many operators ahead the previous iteration's trace is read for prefetching (default 64,
-    0: off). ``min_bytes``: smaller storages are never managed (default 1 MiB).
+    Options (keywords): ``device``; ``budget`` (default ``limit - limit / 8``), what the managed
+    storages may hold on the device together; ``prefetch_depth``, how many operators ahead the
+    previous iteration's trace is read for prefetching (default 64, 0: off); ``min_bytes``,
+    smaller storages are never managed (default 1 MiB).
     """
-    return LmsSession(
-        limit,
-        modules,
-        optimizers,
-        device=device,
-        budget=budget,
-        prefetch_depth=prefetch_depth,
-        min_bytes=min_bytes,
-    )
+    return LmsSession(limit, modules, optimizers, **options)
 
 
 class _Entry:
     """One managed storage: how to reach it and, while it is out, its host copy."""
 
-    __slots__ = ("host", "in_event", "nbytes", "out_event", "saved_refs", "strong", "weak")
+    __slots__ = ("host", "nbytes", "out_event", "saved_refs", "strong", "weak")
 
     def __init__(self, storage: torch.UntypedStorage, persistent: bool) -> None:
         self.strong = storage if persistent else None
@@ -112,7 +100,6 @@ class _Entry:
         self.nbytes = storage.nbytes()
         self.host: torch.Tensor | None = None
         self.out_event: torch.cuda.Event | None = None  # the copy to the host is done
-        self.in_event: torch.cuda.Event | None = None  # a prefetch's copy back is done
         self.saved_refs = 0
 
     def storage(self) -> torch.UntypedStorage | None:

@@ -212,6 +212,9 @@ void LmsResidency::reuse(Segment& segment, StreamHandle stream) {
 }
 
 void LmsResidency::release(Segment& segment) {
+  // Like every entry point: a block freed while pinned sees no unpin, and its page-in's host
+  // buffer must go back to the pool here, not at some later pin.
+  retire_page_ins();
   const FootprintChange change(stats_, segment);
   segment.lms.freed = true;
   list_.remove(segment);

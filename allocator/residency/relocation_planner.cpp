@@ -174,12 +174,10 @@ void RelocationPlanner::plan_prefetch(std::size_t budget, const std::unordered_s
                                       Plan& plan) {
   if (prefetch_depth_ == 0) return;
   const std::uint64_t horizon = position_ + prefetch_depth_;
-  prefetch_cursor_ = std::max(prefetch_cursor_, prefetch_scanned_);
-  while (prefetch_cursor_ < events_then_.size() &&
-         events_then_[prefetch_cursor_].first <= position_) {
-    ++prefetch_cursor_;
+  while (prefetch_scanned_ < events_then_.size() &&
+         events_then_[prefetch_scanned_].first <= position_) {
+    ++prefetch_scanned_;  // in the past now
   }
-  prefetch_scanned_ = prefetch_cursor_;
   while (prefetch_scanned_ < events_then_.size() &&
          events_then_[prefetch_scanned_].first <= horizon) {
     const auto [read_at, key] = events_then_[prefetch_scanned_];
@@ -268,7 +266,6 @@ void RelocationPlanner::end_iteration() {
   operators_per_iteration_ = position_;
   position_ = 0;
   transient_added_ = 0;
-  prefetch_cursor_ = 0;
   prefetch_scanned_ = 0;
   ++counters_.iterations;
   // Transient blocks that outlive their iteration keep no key the next trace knows: they must not

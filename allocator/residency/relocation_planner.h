@@ -184,8 +184,8 @@ class RelocationPlanner {
   // (position, key) of every read, this iteration and the previous one, in order
   std::vector<std::pair<std::uint64_t, std::uint64_t>> events_now_;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> events_then_;
-  std::size_t prefetch_cursor_ = 0;   // events_then_ before it lie in the past
-  std::size_t prefetch_scanned_ = 0;  // events_then_ before it were considered for prefetch
+  // events_then_ before it lie in the past or were considered for prefetch
+  std::size_t prefetch_scanned_ = 0;
   Counters counters_;
 };
 
