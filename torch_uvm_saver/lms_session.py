@@ -41,6 +41,18 @@ Note [What the session relocates]
     library. Those need the same address after paging: use the VMM-based LMS
     (``set_enabled_lms``) or keep them out of the session.
 
+Note [Quiet iterations]
+    Watching every operator costs host time (a dispatch mode and saved-tensor hooks, some tens
+    of microseconds an operator), which a step that fits under the limit should not pay. So
+    after a watched iteration in which nothing had to move (no page-out, no out-of-memory
+    retry, nothing out at its end) the session goes quiet: the next iterations run with no
+    dispatch mode and no saved-tensor hooks, as if there were no session, and only the
+    bookkeeping at the block's end remains (the planner keeps the watched iteration's trace).
+    A quiet iteration that raises the allocator's peak above ``limit - limit / 16``, or ends in
+    an error, makes the next iteration watched again. The price: a quiet iteration that needs
+    more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
+    instead of paging; run the session with ``quiet=False`` where iterations vary that much.
+
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
     under the session reads them, which pages them in first. Outside ``with session:`` (between
@@ -68,6 +80,7 @@ __all__ = ["LmsSession", "lms_session"]
 MiB = 1 << 20
 DEFAULT_MIN_BYTES = 1 * MiB
 DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
+QUIET_HEADROOM_DIVISOR = 16  # quiet only while the allocator stayed under limit - limit / 16
 OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is left to free
 _ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -84,7 +97,9 @@ def lms_session(
     Options (keywords): ``device``; ``budget`` (default ``limit - limit / 8``), what the managed
     storages may hold on the device together; ``prefetch_depth``, how many operators ahead the
     previous iteration's trace is read for prefetching (default 64, 0: off); ``min_bytes``,
-    smaller storages are never managed (default 1 MiB).
+    smaller storages are never managed (default 1 MiB); ``quiet``, whether iterations in which
+    nothing had to move let the following ones run unwatched (default True: Note [Quiet
+    iterations]).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -167,6 +182,13 @@ class _Dispatch(TorchDispatchMode):
         super().__init__()
         self.session = session
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch wraps a mode's handler so that dynamo never traces it, at a few microseconds
+        # an operator. The session is eager-only (torch.compile inside it is not supported),
+        # so that wrapper buys nothing here.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         session = self.session
@@ -199,6 +221,7 @@ class LmsSession:
         budget: int | None = None,
         prefetch_depth: int | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
+        quiet: bool = True,
     ) -> None:
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
@@ -228,6 +251,12 @@ class LmsSession:
         self._in_optimizer_step = False
         self._active = False
         self._closed = False
+        self._quiet_allowed = bool(quiet)
+        self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
+        self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
+        self._moves_at_enter = 0
+        self._peak_at_enter = 0
+        self._quiet_iterations = 0
         self._context: list[Any] = []
         self._handles: list[Any] = []
         self._optimizers = list(optimizers)
@@ -235,6 +264,7 @@ class LmsSession:
         self._skipped_saved = 0
         self._saved_managed = 0
         self._previous_fraction: float | None = None
+        self._total = 0
         if self._cuda:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
@@ -258,25 +288,46 @@ class LmsSession:
             raise InvalidStateError("lms_session: this session is closed")
         if self._active:
             raise InvalidStateError("lms_session: already inside this session's block")
+        self._active = True
+        if self._quiet:
+            self._quiet_iterations += 1
+            self._peak_at_enter = self._allocator_peak()
+            return self
+        self._moves_at_enter = self._moves()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
         threads = torch.autograd.set_multithreading_enabled(False)
         self._context = [threads, hooks, _Dispatch(self)]
         for context in self._context:
             context.__enter__()
-        self._active = True
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._active = False
+        self._in_optimizer_step = False
+        failed = exc_info[0] is not None
+        if self._quiet:
+            # The trace of the last watched iteration stays the planner's: no end_iteration.
+            peak = self._allocator_peak()
+            if failed or (peak > self._peak_at_enter and peak > self._quiet_line):
+                self._quiet = False
+            self._sweep()
+            for optimizer in self._optimizers:
+                self._adopt_optimizer_state(optimizer)
+            return
         for context in reversed(self._context):
             context.__exit__(*exc_info)
         self._context = []
-        self._in_optimizer_step = False
         self._sweep()
         for optimizer in self._optimizers:
             self._adopt_optimizer_state(optimizer)
         self._planner.end_iteration()
+        self._quiet = (
+            self._quiet_allowed
+            and not failed
+            and not self._out
+            and self._moves() == self._moves_at_enter
+        )
 
     # -- public ----------------------------------------------------------------------------
 
@@ -301,16 +352,29 @@ class LmsSession:
             return
         if self._active:
             raise InvalidStateError("lms_session.close(): leave the session's block first")
-        self.fetch_all()
+        # What the session paged out fit only because part of it was on the host: the limit
+        # goes first, or bringing it all back would run out of memory under it.
+        limited = self._cuda and self._previous_fraction is not None
+        if limited:
+            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+        try:
+            self.fetch_all()
+        except BaseException:
+            if limited:  # still open: the limit stays what the caller set
+                torch.cuda.set_per_process_memory_fraction(self.limit / self._total, self.device)
+            raise
         for handle in self._handles:
             handle.remove()
         self._handles = []
         for entry in self._entries.values():
             entry.forget()
         self._entries.clear()
-        if self._cuda and self._previous_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
         self._closed = True
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the next iteration runs unwatched (Note [Quiet iterations])."""
+        return self._quiet
 
     def stats(self) -> dict[str, int]:
         """The planner's counters (bytes and counts of page-outs, page-ins and prefetches,
@@ -323,6 +387,7 @@ class LmsSession:
         out["saved_managed"] = self._saved_managed
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
+        out["quiet_iterations"] = self._quiet_iterations
         return out
 
     # -- registration ------------------------------------------------------------------------
@@ -387,6 +452,8 @@ class LmsSession:
         self._drop(block)
 
     def _adopt_gradient(self, parameter: torch.Tensor) -> None:
+        if self._quiet:
+            return  # unwatched: nothing pages, and the planner's keys stay those of its trace
         grad = parameter.grad
         if (
             grad is not None
@@ -620,6 +687,13 @@ class LmsSession:
     def _own_operators(self) -> _Busy:
         return _Busy(self)
 
+    def _moves(self) -> int:
+        counters = self._planner.counters()
+        return counters["pageout_count"] + counters["oom_events"] + self._oom_retries
+
+    def _allocator_peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
+
     def _limit_allocator(self) -> None:
         total = torch.cuda.get_device_properties(self.device).total_memory
         if self.limit > total:
@@ -628,6 +702,7 @@ class LmsSession:
             )
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         self._previous_fraction = float(getter(self.device)) if getter is not None else 1.0
+        self._total = total
         torch.cuda.set_per_process_memory_fraction(self.limit / total, self.device)
 
 

@@ -123,6 +123,18 @@ def checkpointing_and_session_compose() -> None:
 
 
 @scenario
+def a_session_with_room_goes_quiet_and_trains_bit_for_bit() -> None:
+    # Nothing has to move under twice the peak: the first iteration is watched, the rest run
+    # unwatched (Note [Quiet iterations]) and the training is the same.
+    expected = reference()
+    got = limited(2 * expected[2])
+    print(got[3])
+    check_same_training(expected, got)
+    assert got[3]["iterations"] == 1 and got[3]["quiet_iterations"] == 3
+    assert got[3]["pageout_count"] == 0
+
+
+@scenario
 def out_of_memory_inside_an_operator_is_retried() -> None:
     # A budget equal to the limit leaves no room for what the session does not manage: the
     # first iteration runs out of memory, makes room, runs the operator again and caps the

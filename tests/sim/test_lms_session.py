@@ -208,3 +208,55 @@ def test_out_of_memory_in_an_operator_that_writes_its_input_is_not_retried():
         session._run(operator, (), {}, [])
     assert operator.calls == 1
     session.close()
+
+
+def test_iterations_after_one_with_nothing_to_move_run_quiet_and_train_the_same():
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer, steps=4)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=10**9)  # everything fits
+    losses = train(model, optimizer, session, steps=4)
+    stats = session.stats()
+    assert session.quiet
+    session.close()
+    assert losses == reference
+    # The first iteration is watched; the three after it run with no dispatch mode: the
+    # planner saw one iteration's operators and nothing since.
+    assert stats["quiet_iterations"] == 3
+    assert stats["iterations"] == 1
+    assert stats["pageout_count"] == 0
+
+
+def test_a_session_that_pages_never_goes_quiet():
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=200_000)
+    train(model, optimizer, session, steps=3)
+    stats = session.stats()
+    assert not session.quiet
+    session.close()
+    assert stats["quiet_iterations"] == 0 and stats["iterations"] == 3
+
+
+def test_quiet_false_watches_every_iteration():
+    model, optimizer = make_model()
+    session = tus.lms_session(
+        10**10, [model], [optimizer], device="cpu", budget=10**9, min_bytes=SMALL, quiet=False
+    )
+    train(model, optimizer, session, steps=3)
+    stats = session.stats()
+    session.close()
+    assert stats["quiet_iterations"] == 0 and stats["iterations"] == 3
+
+
+def test_an_error_in_a_quiet_iteration_makes_the_next_one_watched():
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=10**9)
+    train(model, optimizer, session, steps=1)
+    assert session.quiet
+    with pytest.raises(RuntimeError, match="boom"), session:
+        raise RuntimeError("boom")
+    assert not session.quiet
+    train(model, optimizer, session, steps=1)  # watched again, and quiet after it
+    assert session.stats()["iterations"] == 2
+    assert session.quiet
+    session.close()
