@@ -4,7 +4,8 @@ checkpointing, timed without the session and then with `tus.lms_session` at a li
 plain run's peak / --ratio (0: the whole device), then a cProfile of one session step (top
 functions by own time).
 
-    python scripts/profile_lms_session.py [--ratio 0] [--no-checkpointing] [--watch] [--steps 4]
+    python scripts/profile_lms_session.py [--ratio 0 | --limit-gib G] [--no-checkpointing]
+                                          [--watch] [--steps 4]
 
 Needs a GPU and transformers. Prints step times and their ratio, the operators per iteration,
 the host time per operator that the session adds, the session's counters, and what PyTorch's
@@ -75,6 +76,7 @@ def allocator_counters() -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratio", type=float, default=0.0, help="limit = plain peak / ratio")
+    parser.add_argument("--limit-gib", type=float, default=0.0, help="the limit, over --ratio")
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--watch", action="store_true", help="quiet=False: watch every step")
     parser.add_argument("--steps", type=int, default=4)
@@ -89,6 +91,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_reserved()
     total = torch.cuda.get_device_properties(0).total_memory
     limit = int(peak / args.ratio) if args.ratio > 0 else total
+    if args.limit_gib > 0:
+        limit = int(args.limit_gib * 2**30)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     session = tus.lms_session(limit, [model], [optimizer], quiet=not args.watch)

@@ -53,6 +53,16 @@ Note [Quiet iterations]
     more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
     instead of paging; run the session with ``quiet=False`` where iterations vary that much.
 
+Note [Expandable segments]
+    Paging under a limit frees and takes blocks of every size all the time. PyTorch's allocator
+    by default carves blocks out of fixed segments, and a large request (a loss's logits) can
+    fail with gigabytes free in pieces that no segment can give back while one small block in
+    it lives. With expandable segments each segment is a virtual range that grows and shrinks
+    a page at a time, so what a page-out frees is usable at any size. The session turns them on
+    (for segments created from then on) unless the environment or the caller set them either
+    way, and turns them off again at close(); ``expandable_segments=False`` leaves the
+    allocator alone.
+
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
     under the session reads them, which pages them in first. Outside ``with session:`` (between
@@ -65,6 +75,7 @@ Note [Reading a paged-out tensor]
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -99,7 +110,8 @@ def lms_session(
     previous iteration's trace is read for prefetching (default 64, 0: off); ``min_bytes``,
     smaller storages are never managed (default 1 MiB); ``quiet``, whether iterations in which
     nothing had to move let the following ones run unwatched (default True: Note [Quiet
-    iterations]).
+    iterations]); ``expandable_segments``, whether PyTorch's allocator grows its segments in
+    place while the session is open (default True: Note [Expandable segments]).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -222,6 +234,7 @@ class LmsSession:
         prefetch_depth: int | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
         quiet: bool = True,
+        expandable_segments: bool = True,
     ) -> None:
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
@@ -252,6 +265,8 @@ class LmsSession:
         self._active = False
         self._closed = False
         self._quiet_allowed = bool(quiet)
+        self._expandable = bool(expandable_segments)
+        self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
         self._moves_at_enter = 0
@@ -369,6 +384,8 @@ class LmsSession:
         for entry in self._entries.values():
             entry.forget()
         self._entries.clear()
+        if self._expandable_turned_on:
+            _set_allocator_settings("expandable_segments:False")
         self._closed = True
 
     @property
@@ -695,6 +712,8 @@ class LmsSession:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
 
     def _limit_allocator(self) -> None:
+        if self._expandable and "expandable_segments" not in _allocator_settings():
+            self._expandable_turned_on = _set_allocator_settings("expandable_segments:True")
         total = torch.cuda.get_device_properties(self.device).total_memory
         if self.limit > total:
             raise InvalidArgumentError(
@@ -720,6 +739,23 @@ class _Busy:
 
     def __exit__(self, *_: object) -> None:
         self.session._busy = self.was
+
+
+def _allocator_settings() -> str:
+    """PyTorch's allocator settings as set (environment or calls), lower case; '' if unknown."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = getter() if getter is not None else ""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        settings += "," + os.environ.get(name, "")
+    return settings.replace(" ", "").lower()
+
+
+def _set_allocator_settings(settings: str) -> bool:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        return False  # an older PyTorch: the session runs on the segments it has
+    setter(settings)
+    return True
 
 
 def _unpack(saved: Any) -> Any:

@@ -214,9 +214,9 @@ std::vector<RelocationPlanner::BlockId> RelocationPlanner::make_room(
     freed += blocks_.at(victim).bytes;
   }
   ++counters_.oom_events;
-  // Nothing left to free for this operator: the whole budget is too high for what the process
-  // holds besides our blocks, not just this position's.
-  if (freed < bytes) budget_ = std::min(budget_, resident_bytes_);
+  // Only this position is capped, even when nothing was left to free: what else the process
+  // holds there (a loss's logits, a fragmented cache) says nothing about the other operators,
+  // and lowering the whole budget for it once paged every block out at every operator.
   const std::size_t cap = resident_before > bytes ? resident_before - bytes : 0;
   const auto [it, added] = caps_.emplace(position_, cap);
   if (!added) it->second = std::min(it->second, cap);

@@ -100,8 +100,8 @@ class RelocationPlanner {
   // prefetch, so iterations stay aligned whatever was out.
   Plan bring_in(const std::vector<BlockId>& ids);
   // Out of memory running an operator that reads `keep`: victims for at least `bytes` (fewer when
-  // nothing else is resident); the resident bytes are capped at this position from now on, and
-  // when fewer than `bytes` could go, the whole budget drops to what is left resident.
+  // nothing else is resident); the resident bytes are capped at this position from now on. The
+  // whole budget stays: other operators hold less besides our blocks.
   std::vector<BlockId> make_room(std::size_t bytes, const std::vector<BlockId>& keep);
   // Victims for every resident block but `keep` (reclaim everything).
   std::vector<BlockId> evict_all(const std::vector<BlockId>& keep);

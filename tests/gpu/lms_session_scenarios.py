@@ -135,6 +135,25 @@ def a_session_with_room_goes_quiet_and_trains_bit_for_bit() -> None:
 
 
 @scenario
+def the_session_turns_expandable_segments_on_while_open() -> None:
+    import torch
+
+    import torch_uvm_saver as tus
+
+    settings = torch._C._accelerator_getAllocatorSettings
+    assert "expandable_segments" not in settings()  # this process set nothing
+    session = tus.lms_session(1 << 34)
+    assert "expandable_segments:True" in settings(), settings()
+    with session:
+        torch.ones(64 << 20, device="cuda").sum().item()
+    session.close()
+    assert "expandable_segments:False" in settings(), settings()
+    kept = tus.lms_session(1 << 34, expandable_segments=False)
+    assert "expandable_segments:False" in settings()
+    kept.close()
+
+
+@scenario
 def out_of_memory_inside_an_operator_is_retried() -> None:
     # A budget equal to the limit leaves no room for what the session does not manage: the
     # first iteration runs out of memory, makes room, runs the operator again and caps the

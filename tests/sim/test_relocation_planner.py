@@ -154,12 +154,15 @@ def test_make_room_evicts_and_caps_that_position_from_then_on():
     assert p.budget_at(5) == 10 * KB
 
 
-def test_make_room_that_cannot_free_enough_lowers_the_whole_budget():
+def test_make_room_that_cannot_free_enough_caps_only_its_position():
     p = planner(10 * KB)
     p.add(1, 3 * KB, True)
     p.add(2, 3 * KB, True)
+    p.before_use([2])
     assert p.make_room(8 * KB, [2]) == [1]  # only 3 KB could go
-    assert p.budget == p.resident_bytes == 3 * KB
+    assert p.resident_bytes == 3 * KB
+    assert p.budget == 10 * KB  # the other operators keep the whole budget
+    assert p.budget_at(p.position) == 0 and p.budget_at(p.position + 1) == 10 * KB
 
 
 def test_remove_reports_whether_the_block_was_out():
