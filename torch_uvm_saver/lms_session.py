@@ -280,6 +280,7 @@ class LmsSession:
         self._saved_managed = 0
         self._previous_fraction: float | None = None
         self._total = 0
+        self._streams: dict[int, torch.cuda.Stream] = {}  # raw handle -> Stream
         if self._cuda:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
@@ -574,7 +575,7 @@ class LmsSession:
                     break
 
     def _wait_landing(self, ids: list[int]) -> None:
-        current = torch.cuda.current_stream(self.device) if self._cuda else None
+        current = self._current_stream() if self._cuda else None
         for block in ids:
             event = self._landing.pop(block, None)
             if event is not None and current is not None:
@@ -596,7 +597,7 @@ class LmsSession:
         device_bytes = _byte_view(storage)
         if self._cuda:
             stream = self._out_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # after its last use
+            stream.wait_stream(self._current_stream())  # after its last use
             landing = self._landing.pop(block, None)
             if landing is not None:
                 stream.wait_event(landing)
@@ -631,7 +632,7 @@ class LmsSession:
         storage.resize_(entry.nbytes)  # a fresh block, on the current stream, wherever it fits
         device_bytes = _byte_view(storage)
         if self._cuda:
-            current = torch.cuda.current_stream(self.device)
+            current = self._current_stream()
             if prefetch:
                 stream = self._in_stream
                 stream.wait_stream(current)  # the fresh block may be memory still in use there
@@ -704,6 +705,18 @@ class LmsSession:
     def _own_operators(self) -> _Busy:
         return _Busy(self)
 
+    def _current_stream(self) -> torch.cuda.Stream:
+        """torch.cuda.current_stream(device), without its tens of microseconds of argument
+        handling on every operator: the raw handle is one call, its Stream object cached."""
+        raw_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw_of is None:
+            return torch.cuda.current_stream(self.device)
+        raw = raw_of(self.device.index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
+
     def _moves(self) -> int:
         counters = self._planner.counters()
         return counters["pageout_count"] + counters["oom_events"] + self._oom_retries
@@ -751,7 +764,9 @@ def _allocator_settings() -> str:
 
 
 def _set_allocator_settings(settings: str) -> bool:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )  # the name before PyTorch 2.12
     if setter is None:
         return False  # an older PyTorch: the session runs on the segments it has
     setter(settings)
