@@ -54,7 +54,7 @@ from .lms import (
     unpin,
 )
 from .lms_module import ParameterPins, pin_parameters
-from .lms_session import LmsSession, lms_session
+from .lms_session import LmsSession, lms_session, suggest_placement
 from .managed import (
     advise,
     get_device_budget,
@@ -150,6 +150,7 @@ __all__ = [
     "set_prefetch_lms",
     "set_size_lms",
     "set_speculation_lms",
+    "suggest_placement",
     "to",
     "torch_memory_saver",
     "unmanage_memory",

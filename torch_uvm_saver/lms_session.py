@@ -63,6 +63,18 @@ Note [Expandable segments]
     way, and turns them off again at close(); ``expandable_segments=False`` leaves the
     allocator alone.
 
+Note [Optimizer state on the host]
+    With ``optimizer_state="host"`` the state each optimizer creates (Adam's moments) is moved,
+    after the iteration that created it, into managed memory (``tus.manage_memory``) advised to
+    prefer the host and to stay mapped on the device: the optimizer's step reads and writes it
+    in place over the link, once a step, with no page-out or page-in, and none of it counts
+    under the limit. The parameters, gradients and activations stay under the session. That is
+    the placement per region of ARCHITECTURE decision 11 for training: state touched once a
+    step is read where it lies, what is read several times moves. The step's speed then hangs
+    on the link (a fused optimizer reads and writes each byte once); ``suggest_placement``
+    picks it when the state would take a large share of the limit. Managed memory comes from
+    the library's managed mode, so its safety rule (no more than the card has free) applies.
+
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
     under the session reads them, which pages them in first. Outside ``with session:`` (between
@@ -86,7 +98,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 
-__all__ = ["LmsSession", "lms_session"]
+__all__ = ["LmsSession", "lms_session", "suggest_placement"]
 
 MiB = 1 << 20
 DEFAULT_MIN_BYTES = 1 * MiB
@@ -111,7 +123,10 @@ def lms_session(
     smaller storages are never managed (default 1 MiB); ``quiet``, whether iterations in which
     nothing had to move let the following ones run unwatched (default True: Note [Quiet
     iterations]); ``expandable_segments``, whether PyTorch's allocator grows its segments in
-    place while the session is open (default True: Note [Expandable segments]).
+    place while the session is open (default True: Note [Expandable segments]);
+    ``optimizer_state``, where the optimizers' state lives: "device" (default, paged with
+    everything else), "host" (Note [Optimizer state on the host]) or "auto"
+    (``suggest_placement``'s choice).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -235,6 +250,7 @@ class LmsSession:
         min_bytes: int = DEFAULT_MIN_BYTES,
         quiet: bool = True,
         expandable_segments: bool = True,
+        optimizer_state: str = "device",
     ) -> None:
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
@@ -266,15 +282,25 @@ class LmsSession:
         self._closed = False
         self._quiet_allowed = bool(quiet)
         self._expandable = bool(expandable_segments)
+        if optimizer_state == "auto":
+            optimizer_state = suggest_placement(modules, self._optimizers, limit)["optimizer_state"]
+        if optimizer_state not in PLACEMENTS:
+            raise InvalidArgumentError(
+                f"lms_session: optimizer_state must be one of {', '.join(PLACEMENTS)} or 'auto', "
+                f"got {optimizer_state!r}"
+            )
+        self.optimizer_state = optimizer_state
         self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
         self._moves_at_enter = 0
         self._peak_at_enter = 0
         self._quiet_iterations = 0
+        self._placed_bytes = 0
         self._context: list[Any] = []
         self._handles: list[Any] = []
         self._optimizers = list(optimizers)
+        modules = list(modules)
         self._oom_retries = 0
         self._skipped_saved = 0
         self._saved_managed = 0
@@ -406,6 +432,7 @@ class LmsSession:
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
         out["quiet_iterations"] = self._quiet_iterations
+        out["host_placed_bytes"] = self._placed_bytes
         return out
 
     # -- registration ------------------------------------------------------------------------
@@ -499,6 +526,8 @@ class LmsSession:
                 self._add(t, persistent=False, what="optimizer output")
 
     def _adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.optimizer_state == "host":
+            self._place_on_host(optimizer)
         for state in optimizer.state.values():
             for value in state.values():
                 if not isinstance(value, torch.Tensor) or self._eligible(value) is not None:
@@ -510,6 +539,32 @@ class LmsSession:
                 elif entry.strong is None:  # allocated during a step: it stays for good
                     entry.strong = value.untyped_storage()
                     self._planner.make_persistent(block)
+
+    def _place_on_host(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note [Optimizer state on the host]: each state tensor moves into managed memory that
+        prefers the host and stays mapped on the device, out of the session's hands."""
+        from .managed import advise, is_managed, manage_memory, prefetch
+
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.device != self.device
+                    or value.nbytes < self.min_bytes
+                    or is_managed(value)
+                ):
+                    continue
+                block = _storage_id(value)
+                if block in self._entries:
+                    if self._planner.is_out(block):
+                        with self._own_operators():
+                            self._page_in(block, prefetch=False)
+                    self._drop(block)
+                placed = manage_memory(value)
+                advise(placed, preferred_location="cpu", accessed_by=self.device)
+                prefetch(placed, "cpu")
+                state[key] = placed
+                self._placed_bytes += placed.nbytes
 
     def _sweep(self) -> None:
         """Forget storages that died (gradients set to None, optimizer temporaries)."""
@@ -752,6 +807,37 @@ class _Busy:
 
     def __exit__(self, *_: object) -> None:
         self.session._busy = self.was
+
+
+PLACEMENTS = ("device", "host")
+STATE_SHARE_FOR_HOST = 4  # state on the host once it would take more than limit / 4
+_STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
+
+
+def suggest_placement(
+    modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer], limit: int
+) -> dict[str, str]:
+    """Where an LMS session should keep each kind of tensor: {"optimizer_state": "device" or
+    "host"}. The state goes to the host when it would take more than a quarter of the limit
+    (counted from the state the optimizers hold, or estimated from their parameters: two
+    tensors a parameter for the Adam family, one for Adagrad and SGD with momentum)."""
+    state_bytes = 0
+    for optimizer in optimizers:
+        held = sum(
+            value.nbytes
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        )
+        if held == 0:
+            per = _STATE_PER_PARAMETER.get(type(optimizer).__name__, 0)
+            if per == 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
+                per = 1
+            held = per * sum(p.nbytes for g in optimizer.param_groups for p in g["params"])
+        state_bytes += held
+    del modules  # the parameters are counted through the optimizers
+    where = "host" if state_bytes * STATE_SHARE_FOR_HOST > limit else "device"
+    return {"optimizer_state": where}
 
 
 def _allocator_settings() -> str:

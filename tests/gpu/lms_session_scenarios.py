@@ -166,6 +166,33 @@ def the_session_turns_expandable_segments_on_while_open() -> None:
 
 
 @scenario
+def optimizer_state_on_the_host_trains_bit_for_bit_under_the_limit() -> None:
+    # Adam's moments move into managed memory that prefers the host after the first step; the
+    # fused-less AdamW reads and writes them in place over the link from then on.
+    import torch
+
+    import torch_uvm_saver as tus
+
+    expected = reference()
+    limit = expected[2] // 2
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    torch.cuda.reset_peak_memory_stats()
+    session = tus.lms_session(limit, [model], [optimizer], optimizer_state="host")
+    losses = train(model, optimizer, session)
+    peak = torch.cuda.max_memory_reserved()
+    stats = session.stats()
+    session.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    print(f"peak {peak / MiB:.0f} MiB under {limit / MiB:.0f} MiB; {stats}")
+    check_same_training(expected, (losses, params))
+    assert moments and all(tus.is_managed(m) for m in moments)
+    assert stats["host_placed_bytes"] == sum(m.nbytes for m in moments)
+    assert peak <= limit, f"peak {peak} over the limit {limit}"
+
+
+@scenario
 def out_of_memory_inside_an_operator_is_retried() -> None:
     # A budget equal to the limit leaves no room for what the session does not manage: the
     # first iteration runs out of memory, makes room, runs the operator again and caps the

@@ -260,3 +260,46 @@ def test_an_error_in_a_quiet_iteration_makes_the_next_one_watched():
     assert session.stats()["iterations"] == 2
     assert session.quiet
     session.close()
+
+
+def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_same():
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer)
+    model, optimizer = make_model()
+    session = tus.lms_session(
+        10**9,
+        [model],
+        [optimizer],
+        device="cpu",
+        budget=200_000,
+        min_bytes=SMALL,
+        optimizer_state="host",
+    )
+    losses = train(model, optimizer, session)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    big = [m for m in moments if m.nbytes >= SMALL]
+    assert big and all(tus.is_managed(m) for m in big)
+    assert stats["host_placed_bytes"] == sum(m.nbytes for m in big)
+    # The session no longer holds the moments: what it registered is parameters and gradients.
+    parameter_bytes = sum(p.nbytes for p in model.parameters() if p.nbytes >= SMALL)
+    assert stats["registered_bytes"] <= 2 * parameter_bytes
+
+
+def test_suggest_placement_puts_large_optimizer_state_on_the_host():
+    model, optimizer = make_model()  # AdamW: two moments a parameter
+    state = 2 * sum(p.nbytes for p in model.parameters())
+    assert tus.suggest_placement([model], [optimizer], 2 * state) == {"optimizer_state": "host"}
+    assert tus.suggest_placement([model], [optimizer], 8 * state) == {"optimizer_state": "device"}
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state at all
+    assert tus.suggest_placement([model], [sgd], 1) == {"optimizer_state": "device"}
+
+
+def test_an_unknown_placement_is_refused():
+    model, optimizer = make_model()
+    with pytest.raises(errors.InvalidArgumentError, match="optimizer_state"):
+        tus.lms_session(10**9, [model], [optimizer], device="cpu", optimizer_state="disk")
