@@ -47,6 +47,7 @@ __all__ = [
     "LMS_COLUMNS",
     "LMS_V2",
     "LMS_V2_CKPT",
+    "LMS_V2_HOST",
     "MANAGED_COLUMNS",
     "MARK",
     "NATIVE",
@@ -89,7 +90,8 @@ REGIMES: dict[str, dict[str, Any]] = {
 NATIVE = "native"
 LMS_V2 = "lms-v2"  # tus.lms_session on PyTorch's allocator
 LMS_V2_CKPT = "lms-v2-ckpt"  # the same + gradient checkpointing
-V2_COLUMNS = (LMS_V2, LMS_V2_CKPT)
+LMS_V2_HOST = "lms-v2-host"  # lms-v2-ckpt + the optimizer state on the host, read in place
+V2_COLUMNS = (LMS_V2, LMS_V2_CKPT, LMS_V2_HOST)
 LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")  # the global LMS hook
 BUDGET = "managed-budget"
 LIMITED = (*V2_COLUMNS, *LMS_COLUMNS, BUDGET)  # run once per ratio, under its limit
@@ -98,12 +100,13 @@ CKPT_SAVE_ON_CPU = "ckpt-save-on-cpu"
 SAVE_ON_CPU = "save-on-cpu"
 FSDP = "fsdp2-cpu-offload"
 PEERS = (CKPT, CKPT_SAVE_ON_CPU, SAVE_ON_CPU, FSDP)  # no limit: once per regime
-CKPT_COLUMNS = (LMS_V2_CKPT, CKPT, CKPT_SAVE_ON_CPU)  # gradient_checkpointing_enable
+CKPT_COLUMNS = (LMS_V2_CKPT, LMS_V2_HOST, CKPT, CKPT_SAVE_ON_CPU)  # gradient_checkpointing_enable
 # The order of the table and of the runs: what the targets need first.
 COLUMNS = (
     NATIVE,
     LMS_V2,
     LMS_V2_CKPT,
+    LMS_V2_HOST,
     CKPT,
     CKPT_SAVE_ON_CPU,
     "lms-vmm",
@@ -124,12 +127,14 @@ SESSION_KEYS = (
     "budget_bytes",
     "registered_bytes",
     "iterations",
+    "quiet_iterations",
 )
 SESSION_COUNTERS = tuple(k for k in SESSION_KEYS if k not in ("budget_bytes", "registered_bytes"))
 DESCRIPTIONS = {
     NATIVE: "PyTorch's allocator, no limit",
     LMS_V2: "tus.lms_session, defaults",
     LMS_V2_CKPT: "tus.lms_session + gradient checkpointing",
+    LMS_V2_HOST: "tus.lms_session + gradient checkpointing, optimizer_state='host'",
     CKPT: "gradient checkpointing (non-reentrant)",
     CKPT_SAVE_ON_CPU: "gradient checkpointing + save_on_cpu",
     "lms-vmm": "LMS, VMM, speculation + prefetch",
@@ -334,6 +339,16 @@ def import_lms_v2() -> Any:
     if not callable(getattr(tus, "lms_session", None)):
         raise RuntimeError("this torch_uvm_saver has no lms_session (the LMS v2 API)")
     return tus
+
+
+# PyTorch's own allocator counters, per timed step in every column's JSON: a retry after
+# emptying the cache waits for every stream (the host stalls until the device catches up).
+TORCH_ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc")
+
+
+def torch_allocator_counters() -> dict:
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in TORCH_ALLOCATOR_COUNTERS}
 
 
 def session_stats(session: Any) -> dict:
@@ -683,7 +698,8 @@ def train(column: str, args, result: dict) -> None:
     if lms is not None:
         # Last in the setup: it sees the model and the optimizer (whose state AdamW creates in
         # the first step, inside the session).
-        session = lms.lms_session(limit, modules=[model], optimizers=[optimizer])
+        placement = {"optimizer_state": "host"} if column == LMS_V2_HOST else {}
+        session = lms.lms_session(limit, modules=[model], optimizers=[optimizer], **placement)
         result["session"] = {
             "limit_bytes": limit,
             "torch_uvm_saver": getattr(lms, "__version__", None),
@@ -734,6 +750,7 @@ def train(column: str, args, result: dict) -> None:
     reset_peaks(tus)
     before = tus_counters(tus) if tus is not None else {}
     session_before = session_stats(session) if session is not None else {}
+    torch_before = torch_allocator_counters()
     if saved is not None:
         saved.bytes = 0
     times: list[float] = []
@@ -755,6 +772,7 @@ def train(column: str, args, result: dict) -> None:
     peak_steady = read_peaks(tus)
     after = tus_counters(tus) if tus is not None else {}
     session_after = session_stats(session) if session is not None else {}
+    torch_after = torch_allocator_counters()
     steps = len(times)
     step_median = statistics.median(times)
     tokens = spec["batch"] * spec["seq"]
@@ -773,6 +791,9 @@ def train(column: str, args, result: dict) -> None:
         peak_bytes=max(peak_warmup["reserved"], peak_steady["reserved"]),
         peak_warmup=peak_warmup,
         peak_steady=peak_steady,
+        torch_allocator_per_step={
+            key: (torch_after[key] - torch_before[key]) / steps for key in TORCH_ALLOCATOR_COUNTERS
+        },
     )
     if column in LMS_COLUMNS:
         moved = family_delta(before, after, "pageout_bytes")

@@ -2,7 +2,7 @@
 
 From the JSON the children filled (its "runs" and "bandwidth"), analyze() works out for each
 (regime, ratio) the limit, each column's ideal, one row per column, the targets (judged on the
-better of lms-v2 and lms-v2-ckpt), the "who wins where, and why" lines, the loss check and the
+best of the lms-v2 columns), the "who wins where, and why" lines, the loss check and the
 "no limit" overhead; print_report() prints the table, plot() draws tokens/s per column, finish()
 does all three and rewrites the JSON. Nothing here touches the GPU.
 
@@ -56,7 +56,7 @@ __all__ = [
     "signature",
 ]
 
-TARGET_COLUMNS = V2_COLUMNS  # the targets judge the faster of these two that fits
+TARGET_COLUMNS = V2_COLUMNS  # the targets judge the fastest of these that fits
 IDEAL_FRACTION = 0.8  # ... reaches this fraction of its ideal's tokens/s
 FSDP_FACTOR = 3.0  # state regime: ... and this many times fsdp2-cpu-offload's tokens/s
 FIT_SLACK = 1.01  # a peak within 1% of the limit fits (allocation granularity)
@@ -82,7 +82,7 @@ ASSUMPTIONS = {
     "ideal_step_s": "max(reference step, link time): the fastest unconstrained configuration "
     "that the column's technique allows, or the time to move what must move, whichever is longer",
     "reference": "the checkpointing column's run (its step time and its peak) for lms-v2-ckpt, "
-    "checkpointing and ckpt-save-on-cpu; the native run for every other column",
+    "lms-v2-host, checkpointing and ckpt-save-on-cpu; the native run for every other column",
     "bytes_that_must_move": "out = in = max(0, reference peak - limit) per step: the excess over "
     "the limit goes out to the host and comes back once every step (2 x that in all)",
     "link_time": "duplex: out and in overlap, so max(out / d2h, in / h2d) with the pinned copy_ "
@@ -98,7 +98,7 @@ ASSUMPTIONS = {
     "pageout + pagein bytes; managed-budget: budget prefetches only (fault migrations not "
     "counted); save-on-cpu and ckpt-save-on-cpu: 2 x bytes packed to the host; fsdp2: estimated "
     "2 x parameter bytes + gradient bytes",
-    "targets": "judged on the faster of lms-v2 and lms-v2-ckpt that fits (the faster that ran "
+    "targets": "judged on the fastest of the lms-v2 columns that fits (the faster that ran "
     "when neither fits): activation 2x: tokens/s >= checkpointing's when checkpointing fits; "
     f"activation 3x, 4x: >= {IDEAL_FRACTION} x its ideal and ahead of every peer that fits; "
     f"state 2x, 3x: >= {IDEAL_FRACTION} x its ideal and >= {FSDP_FACTOR:g} x "
@@ -245,7 +245,7 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
 
 
 def pick_target(rows: dict) -> str | None:
-    """The faster of lms-v2 and lms-v2-ckpt that fits; the faster that ran when neither fits."""
+    """The fastest lms-v2 column that fits; the fastest that ran when none fits."""
     ran = [c for c in TARGET_COLUMNS if rows[c]["status"] == "ok"]
     fitting = [c for c in ran if rows[c]["fits"]]
     pool = fitting or ran
@@ -656,7 +656,7 @@ def print_bandwidth(bandwidth: dict) -> None:
 def print_targets(data: dict) -> None:
     if not data.get("targets"):
         return
-    print(f"\ntargets (on the faster of {' and '.join(TARGET_COLUMNS)} that fits, named):")
+    print(f"\ntargets (on the fastest of {', '.join(TARGET_COLUMNS)} that fits, named):")
     for name, entry in data["targets"].items():
         value = entry.get("value")
         if entry.get("shown"):
