@@ -59,10 +59,15 @@ def _owners(tag: str | None, call: str) -> list[_C.Allocator]:
 def pause(tag: str | None = None) -> int:
     """Release the device memory of ``tag`` (every tag if None) on every device that has it.
 
-    Returns the device bytes released. Pausing a paused tag does nothing and returns 0.
+    Returns the device bytes released. Pausing a paused tag does nothing and returns 0, and so
+    does pausing a tag that holds no ``vmm`` memory (it does not turn paused). With no tag, the
+    ``vmm`` memory of every tag pauses, the ``vmm`` part of a tag that mixes modes included;
+    memory of other modes stays resident (Note [Pausing every tag] in allocator.h). A paused tag
+    takes no new allocations until ``resume``.
 
     Raises:
-        InvalidArgumentError: unknown tag, or the tag holds ``mode="device"`` memory.
+        InvalidArgumentError: unknown tag, or the named tag holds memory of a mode that cannot
+            pause (``device``, ``managed``, ``lms``).
         InvalidStateError: a ``region`` of the tag is still open, or a CUDA graph capture is
             (Note [Pausing during capture] in capture.py).
         CudaError: a driver call failed; the message says whether the tag is partly paused.

@@ -153,6 +153,19 @@ def test_set_backup_policy_retain(process, fill) -> None:
     assert ctypes.string_at(host, 6 * MiB) == data
 
 
+def test_a_backup_policy_ahead_of_memory_does_not_make_its_tag_paused(process) -> None:
+    _, allocator = process
+    tus.set_backup_policy("api-ghost", retain=True)
+    ptr = allocator.malloc(4 * MiB, tag="api-real")
+    tus.pause()
+    assert tus.is_paused("api-real")
+    assert not tus.is_paused("api-ghost")  # no memory: nothing was paused
+    tus.pause("api-ghost")
+    assert not tus.is_paused("api-ghost")
+    tus.resume()
+    allocator.free(ptr)
+
+
 def test_set_backup_policy_pageable_and_release_host_cache(process, fill, peek) -> None:
     driver, allocator = process
     # The policy comes first: a pinned buffer prepared ahead for a segment (Note [Pinning ahead])
