@@ -107,7 +107,8 @@ std::string Allocator::memory_report_locked() {
 
 DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  refuse_paused_tag_locked("malloc", region.tag);
+  // Note [Allocating in a paused tag]: torch_memory_saver's callers are served.
+  if (!region.allow_paused_tag) refuse_paused_tag_locked("malloc", region.tag);
   try {
     return allocate_segment_locked(size, stream, region).ptr;
   } catch (const SizeOverflow& error) {
@@ -302,7 +303,8 @@ Segment* Allocator::segment_containing_locked(DevicePtr ptr) {
 DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
                                   const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // A cached block of a paused tag has no memory under it (Note [What reads paused]).
+  // A cached block of a paused tag has no memory under it: refused for every caller
+  // (Note [Allocating in a paused tag]).
   refuse_paused_tag_locked("block_malloc", region.tag);
   const std::size_t misses = blocks_.counters().cache_misses;
   const std::size_t retries = blocks_.counters().alloc_retries;

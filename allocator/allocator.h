@@ -22,17 +22,35 @@
 //  A tag reads paused (is_paused; region entry refused) from the pause that released its vmm
 //  memory until resume. Only memory pauses: pausing a tag that holds no vmm memory (a backup policy
 //  set ahead of its first allocation keeps a tag, or all of it was freed) changes nothing, so such
-//  a tag never turns paused. Nothing new may live in a paused tag: malloc, block_malloc and region
-//  entry raise InvalidState. A new segment would hold device memory in a tag the caller believes
-//  holds none, and the global-mode cache would hand out a block with nothing mapped under it.
+//  a tag never turns paused. What an allocation in a paused tag does is Note [Allocating in a
+//  paused tag].
+//
+// Note [Allocating in a paused tag]
+//  Two sets of callers want two things, and the region says which one asks
+//  (RegionConfig::allow_paused_tag):
+//  - The native API (tus.region, the bindings' malloc and block_malloc: every region built by
+//    make_region, which leaves the flag off) is refused: malloc raises InvalidState before
+//    anything changes. A new segment would hold device memory in a tag its caller paused to
+//    hold none.
+//  - torch_memory_saver's callers get its semantics: the allocation is served as active memory in
+//    the paused tag, the tag's next pause pauses it and a resume leaves it alone (it was never
+//    paused). They are the compatibility package (tms_compat), whose regions are set through the
+//    tms_* C functions, those functions called by anyone (ctypes), and the preload hook's threads
+//    that start inside a region by TMS_INIT_ENABLE (the initial region); all of these set the flag
+//    (bindings/tms_abi.cpp, bindings/preload_environment.cpp).
+//  Whoever asks, two doors stay shut. block_malloc refuses: the global-mode cache would hand out
+//  a block of a paused segment, with nothing mapped under it (no torch_memory_saver path uses the
+//  global hook). Region entry (enter_region, which the compatibility package's region() calls
+//  too) refuses: PyTorch's pool of the tag may cache blocks of the paused memory and hand them
+//  out. The check costs one integer comparison on the fast path while no tag is paused.
 //
 // Note [Pausing every tag]
 //  pause(tag) pauses the tag whole or raises: a tag holding memory of a mode that cannot pause
 //  (device, managed, lms) raises InvalidArgument, since the caller named it and would not get what
 //  it asked for. pause() pauses everything that can: the vmm memory of every tag, the vmm part of
-//  a tag that mixes modes included (it then reads paused and takes no new allocations); memory of
-//  other modes stays resident, as that of a tag holding no vmm memory does. An open region on a
-//  tag with vmm memory refuses the whole call before anything is paused.
+//  a tag that mixes modes included (it then reads paused: Note [Allocating in a paused tag]);
+//  memory of other modes stays resident, as that of a tag holding no vmm memory does. An open
+//  region on a tag with vmm memory refuses the whole call before anything is paused.
 //
 // Locking: one mutex, never recursive, held for the whole of each public call (a pause holds it
 // while its copies run, so a malloc on another thread waits for the pause). Private *_locked
@@ -158,8 +176,8 @@ class Allocator final : private SegmentSource {
   std::size_t lms_headroom();
   bool lms_on_managed() const;
 
-  // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused,
-  // as allocating in it is (Note [What reads paused]).
+  // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused
+  // (Note [Allocating in a paused tag]).
   void enter_region(const RegionConfig& region);
   void exit_region(const std::string& tag);
 
@@ -238,7 +256,7 @@ class Allocator final : private SegmentSource {
   void reuse_segment(Segment& segment, StreamHandle stream) override;
   std::size_t single_block_bytes(Mode mode) override;
   TagState& known_tag_locked(const char* call, const std::string& tag);
-  // Throws InvalidState when `tag` is paused: nothing new may live in it until resume.
+  // Throws InvalidState when `tag` is paused (Note [Allocating in a paused tag]).
   void refuse_paused_tag_locked(const char* call, const std::string& tag, const char* why = "");
   void set_paused_locked(TagState& state, bool paused);  // keeps paused_tags_
   TagState& tag_state_locked(const std::string& tag);    // created with the default policy

@@ -63,7 +63,8 @@ def pause(tag: str | None = None) -> int:
     does pausing a tag that holds no ``vmm`` memory (it does not turn paused). With no tag, the
     ``vmm`` memory of every tag pauses, the ``vmm`` part of a tag that mixes modes included;
     memory of other modes stays resident (Note [Pausing every tag] in allocator.h). A paused tag
-    takes no new allocations until ``resume``.
+    takes no new allocations until ``resume``, but for torch_memory_saver's callers (Note
+    [Allocating in a paused tag] in allocator.h).
 
     Raises:
         InvalidArgumentError: unknown tag, or the named tag holds memory of a mode that cannot
