@@ -66,12 +66,13 @@ def test_unknown_tag(process, function) -> None:
     assert "'api-known'" in str(raised.value)
 
 
-@pytest.mark.parametrize("tag", ["", 3])
-def test_bad_tag(process, tag) -> None:
+@pytest.mark.parametrize(("tag", "error"), [("", InvalidArgumentError), (3, TypeError)])
+def test_bad_tag(process, tag, error) -> None:
+    # A wrong value is InvalidArgumentError, a wrong type TypeError (Note [Argument errors]).
     for function in (tus.pause, tus.resume, tus.is_paused):
-        with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        with pytest.raises(error, match="non-empty string"):
             function(tag)
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(error):
         tus.set_backup_policy(tag, retain=True)
 
 
@@ -204,7 +205,7 @@ def test_region_argument_errors() -> None:
 def test_get_cpu_backup_rejects_non_cuda_tensors() -> None:
     with pytest.raises(InvalidArgumentError, match="expects a CUDA tensor"):
         tus.get_cpu_backup(torch.zeros(4))
-    with pytest.raises(InvalidArgumentError, match="expects a tensor"):
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         tus.get_cpu_backup(b"bytes")
 
 
