@@ -107,6 +107,8 @@ std::string Allocator::memory_report_locked() {
 
 DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Note [Allocating in a paused tag]: torch_memory_saver's callers are served.
+  if (!region.allow_paused_tag) refuse_paused_tag_locked("malloc", region.tag);
   try {
     return allocate_segment_locked(size, stream, region).ptr;
   } catch (const SizeOverflow& error) {
@@ -301,6 +303,9 @@ Segment* Allocator::segment_containing_locked(DevicePtr ptr) {
 DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
                                   const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A cached block of a paused tag has no memory under it: refused for every caller
+  // (Note [Allocating in a paused tag]).
+  refuse_paused_tag_locked("block_malloc", region.tag);
   const std::size_t misses = blocks_.counters().cache_misses;
   const std::size_t retries = blocks_.counters().alloc_retries;
   std::size_t bytes = 0;
@@ -446,14 +451,29 @@ bool Allocator::owns(DevicePtr ptr) const {
 
 void Allocator::enter_region(const RegionConfig& region) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TagState& state = tag_state_locked(region.tag);
-  if (state.paused) {
-    TUS_THROW(InvalidState, "region(tag=" << quoted(region.tag) << "): the tag is paused; call "
-                                          << "resume(" << quoted(region.tag)
-                                          << ") before allocating in it (PyTorch would hand out "
-                                             "cached blocks of the paused memory)");
+  refuse_paused_tag_locked("region", region.tag,
+                           " (PyTorch would hand out cached blocks of the paused memory)");
+  ++tag_state_locked(region.tag).open_regions;
+}
+
+void Allocator::refuse_paused_tag_locked(const char* call, const std::string& tag,
+                                         const char* why) {
+  // One integer on the allocation fast path while no tag is paused.
+  if (paused_tags_ == 0) return;
+  auto it = tags_.find(tag);
+  if (it == tags_.end() || !it->second.paused) return;
+  TUS_THROW(InvalidState, call << "(tag=" << quoted(tag) << "): the tag is paused; call resume("
+                               << quoted(tag) << ") before allocating in it" << why);
+}
+
+void Allocator::set_paused_locked(TagState& state, bool paused) {
+  if (state.paused == paused) return;
+  state.paused = paused;
+  if (paused) {
+    ++paused_tags_;
+  } else {
+    --paused_tags_;
   }
-  ++state.open_regions;
 }
 
 void Allocator::exit_region(const std::string& tag) {
@@ -501,12 +521,10 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
     }
     return pause_tag_locked(*tag);
   }
-  // Every tag that pause(tag) would accept: tags holding `device` or `managed` memory cannot.
+  // Note [Pausing every tag]: the vmm memory of every tag that has some, mixed tags included.
   std::vector<std::string> pausable;
   for (const auto& [name, state] : tags_) {
-    if (!segments_of_locked(name, Mode::kDevice).empty()) continue;
-    if (!segments_of_locked(name, Mode::kManaged).empty()) continue;
-    if (!segments_of_locked(name, Mode::kLms).empty()) continue;
+    if (segments_of_locked(name, Mode::kVmm).empty()) continue;
     check_pausable_locked("pause", name);
     pausable.push_back(name);
   }
@@ -533,7 +551,10 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     if (segment->has_mapped_chunk()) segments.push_back(segment);
   }
   if (segments.empty()) {
-    state.paused = true;
+    // Note [What reads paused]: only memory pauses. A tag with vmm memory that is all paused
+    // already stays paused; one with none (a policy set ahead of its first allocation, or
+    // everything freed) has nothing to pause and does not turn paused.
+    if (!segments_of_locked(tag, Mode::kVmm).empty()) set_paused_locked(state, true);
     return 0;
   }
   // The pause asks the pool now: the worker need not prepare more for these (Note [Pinning ahead]).
@@ -559,7 +580,7 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
     }
     any_paused = any_paused || segments[i]->paused();
   }
-  state.paused = !error || any_paused;
+  set_paused_locked(state, !error || any_paused);
   stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
     if (released > 0) ++scope.num_pauses;
     scope.pause_seconds += change.seconds;
@@ -592,7 +613,7 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     }
   }
   if (segments.empty()) {
-    state.paused = false;
+    set_paused_locked(state, false);
     return 0;
   }
   const std::size_t read_before = disk_.bytes_read();
@@ -617,7 +638,7 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     rethrow_with_context(error, "resume(" + quoted(tag) + ") on device " + std::to_string(device_),
                          suffix + ")");
   }
-  state.paused = false;
+  set_paused_locked(state, false);
   stats_.for_scopes(Mode::kVmm, tag, [&](ScopeStats& scope) {
     ++scope.num_resumes;
     scope.resume_seconds += change.seconds;

@@ -18,6 +18,40 @@
 //  - Statistics are derived: every change to a segment is bracketed by two footprints whose
 //    difference is applied to the "all", mode and tag scopes.
 //
+// Note [What reads paused]
+//  A tag reads paused (is_paused; region entry refused) from the pause that released its vmm
+//  memory until resume. Only memory pauses: pausing a tag that holds no vmm memory (a backup policy
+//  set ahead of its first allocation keeps a tag, or all of it was freed) changes nothing, so such
+//  a tag never turns paused. What an allocation in a paused tag does is Note [Allocating in a
+//  paused tag].
+//
+// Note [Allocating in a paused tag]
+//  Two sets of callers want two things, and the region says which one asks
+//  (RegionConfig::allow_paused_tag):
+//  - The native API (tus.region, the bindings' malloc and block_malloc: every region built by
+//    make_region, which leaves the flag off) is refused: malloc raises InvalidState before
+//    anything changes. A new segment would hold device memory in a tag its caller paused to
+//    hold none.
+//  - torch_memory_saver's callers get its semantics: the allocation is served as active memory in
+//    the paused tag, the tag's next pause pauses it and a resume leaves it alone (it was never
+//    paused). They are the compatibility package (tms_compat), whose regions are set through the
+//    tms_* C functions, those functions called by anyone (ctypes), and the preload hook's threads
+//    that start inside a region by TMS_INIT_ENABLE (the initial region); all of these set the flag
+//    (bindings/tms_abi.cpp, bindings/preload_environment.cpp).
+//  Whoever asks, two doors stay shut. block_malloc refuses: the global-mode cache would hand out
+//  a block of a paused segment, with nothing mapped under it (no torch_memory_saver path uses the
+//  global hook). Region entry (enter_region, which the compatibility package's region() calls
+//  too) refuses: PyTorch's pool of the tag may cache blocks of the paused memory and hand them
+//  out. The check costs one integer comparison on the fast path while no tag is paused.
+//
+// Note [Pausing every tag]
+//  pause(tag) pauses the tag whole or raises: a tag holding memory of a mode that cannot pause
+//  (device, managed, lms) raises InvalidArgument, since the caller named it and would not get what
+//  it asked for. pause() pauses everything that can: the vmm memory of every tag, the vmm part of
+//  a tag that mixes modes included (it then reads paused: Note [Allocating in a paused tag]);
+//  memory of other modes stays resident, as that of a tag holding no vmm memory does. An open
+//  region on a tag with vmm memory refuses the whole call before anything is paused.
+//
 // Locking: one mutex, never recursive, held for the whole of each public call (a pause holds it
 // while its copies run, so a malloc on another thread waits for the pause). Private *_locked
 // helpers assume it is held. The host buffer pool has a lock of its own, taken after this one,
@@ -142,12 +176,14 @@ class Allocator final : private SegmentSource {
   std::size_t lms_headroom();
   bool lms_on_managed() const;
 
-  // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused.
+  // Called when a region opens/closes on any thread. Opening a region of a paused tag is refused
+  // (Note [Allocating in a paused tag]).
   void enter_region(const RegionConfig& region);
   void exit_region(const std::string& tag);
 
-  // Both are idempotent per tag; no tag means every tag. They return the device bytes released
-  // or mapped. Unknown tags raise InvalidArgument; a tag with an open region raises InvalidState.
+  // Both are idempotent per tag; no tag means every tag (Note [Pausing every tag]). They return
+  // the device bytes released or mapped. Unknown tags raise InvalidArgument; a tag with an open
+  // region raises InvalidState.
   std::size_t pause(const std::optional<std::string>& tag);
   std::size_t resume(const std::optional<std::string>& tag);
   void set_backup_policy(const std::string& tag, const BackupPolicy& policy);
@@ -220,7 +256,10 @@ class Allocator final : private SegmentSource {
   void reuse_segment(Segment& segment, StreamHandle stream) override;
   std::size_t single_block_bytes(Mode mode) override;
   TagState& known_tag_locked(const char* call, const std::string& tag);
-  TagState& tag_state_locked(const std::string& tag);  // created with the default policy
+  // Throws InvalidState when `tag` is paused (Note [Allocating in a paused tag]).
+  void refuse_paused_tag_locked(const char* call, const std::string& tag, const char* why = "");
+  void set_paused_locked(TagState& state, bool paused);  // keeps paused_tags_
+  TagState& tag_state_locked(const std::string& tag);    // created with the default policy
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
   std::size_t pause_tag_locked(const std::string& tag);
@@ -243,6 +282,7 @@ class Allocator final : private SegmentSource {
   PauseController pauser_;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments_;  // by base address
   std::map<std::string, TagState> tags_;
+  std::size_t paused_tags_ = 0;  // tags whose TagState::paused is set
   BackupPolicy default_policy_;
   StatsBook stats_;
   ManagedResidency managed_residency_;

@@ -4,6 +4,7 @@
 
 #include "allocator/message.h"
 
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -67,8 +68,13 @@ class IoError : public Error {
 // Builds "file:line: message" so every error says where it was raised.
 inline std::string located(const char* file, int line, const std::string& message) {
   std::string path(file);
-  const auto slash = path.rfind("allocator/");
-  if (slash != std::string::npos) path = path.substr(slash);
+  for (const char* root : {"allocator/", "bindings/"}) {
+    const auto slash = path.rfind(root);
+    if (slash != std::string::npos) {
+      path = path.substr(slash);
+      break;
+    }
+  }
   Message out;
   out << message << " [" << path << ":" << line << "]";
   return out.str();

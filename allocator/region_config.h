@@ -44,6 +44,10 @@ struct RegionConfig {
   ManagedAdvice advice;  // mode kManaged only
   // False outside every region: the global hook then uses the process default (Registry).
   bool active = false;
+  // Whether malloc serves an allocation under a paused tag (Note [Allocating in a paused tag] in
+  // allocator.h): off for the native API, which refuses it; on for torch_memory_saver's callers
+  // (the tms_* C functions and the preload environment set it), whose semantics serve it.
+  bool allow_paused_tag = false;
 };
 
 // The calling thread's region. A thread starts in the process's initial region: outside every

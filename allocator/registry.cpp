@@ -1,6 +1,7 @@
 #include "allocator/registry.h"
 
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "allocator/driver/cuda_driver.h"
@@ -11,15 +12,31 @@ namespace tus {
 
 namespace {
 
-std::size_t env_size(const char* name, std::size_t fallback) {
+// The number an environment variable holds, from `lowest` to `highest`; `fallback` when it is
+// unset or empty. Only decimal digits are read: strtoull alone takes "-1" as 2**64 - 1, skips
+// leading blanks and signs, and saturates past 2**64 - 1, and a cast would then truncate
+// (TUS_SIM_DEVICES=4294967297 was 1 device). Anything else raises InvalidArgument naming it.
+std::size_t env_number(const char* name, std::size_t fallback, std::size_t lowest,
+                       std::size_t highest, const char* unit) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  const unsigned long long value = std::strtoull(text, &end, 10);
-  if (end == text || *end != '\0') {
-    TUS_THROW(InvalidArgument, name << "=" << text << " is not a whole number");
+  std::size_t value = 0;
+  bool fits = true;
+  for (const char* c = text; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') {
+      TUS_THROW(InvalidArgument, name << "=" << text << " is not a whole number of " << unit
+                                      << " (decimal digits only, from " << lowest << " to "
+                                      << highest << ")");
+    }
+    const auto digit = static_cast<std::size_t>(*c - '0');
+    fits = fits && value <= (highest - digit) / 10;
+    if (fits) value = value * 10 + digit;
   }
-  return static_cast<std::size_t>(value);
+  if (!fits || value < lowest) {
+    TUS_THROW(InvalidArgument, name << "=" << text << " is out of range: a number of " << unit
+                                    << " from " << lowest << " to " << highest);
+  }
+  return value;
 }
 
 std::shared_ptr<Driver> driver_from_environment() {
@@ -27,8 +44,11 @@ std::shared_ptr<Driver> driver_from_environment() {
   const std::string name = choice == nullptr ? "cuda" : choice;
   if (name == "cuda" || name.empty()) return std::make_shared<CudaDriver>();
   if (name == "sim") {
-    return std::make_shared<SimDriver>(env_size("TUS_SIM_CAPACITY", 16 * kGiB),
-                                       static_cast<int>(env_size("TUS_SIM_DEVICES", 1)));
+    const std::size_t capacity = env_number("TUS_SIM_CAPACITY", 16 * kGiB, 1,
+                                            std::numeric_limits<std::size_t>::max(), "bytes");
+    const std::size_t devices =
+        env_number("TUS_SIM_DEVICES", 1, 1, Registry::kMaxDevices, "devices");
+    return std::make_shared<SimDriver>(capacity, static_cast<int>(devices));
   }
   TUS_THROW(InvalidArgument, "TUS_DRIVER=" << name << " is not a driver; use 'cuda' or 'sim'");
 }
@@ -67,6 +87,11 @@ std::shared_ptr<Allocator> Registry::shared_allocator(int device) {
   if (disk_settings_) owned_[device]->set_disk_backup_settings(*disk_settings_);
   fast_[device].store(owned_[device].get(), std::memory_order_release);
   return owned_[device];
+}
+
+void Registry::check_device(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_device_locked(device);
 }
 
 void Registry::check_device_locked(int device) {

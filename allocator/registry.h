@@ -14,7 +14,9 @@
 // own copy, so allocators made outside the registry (tests) can point elsewhere.
 //
 // The driver is chosen on first use from TUS_DRIVER: "cuda" (default) or "sim" (the simulated
-// driver; capacity from TUS_SIM_CAPACITY bytes, default 16 GiB, devices from TUS_SIM_DEVICES).
+// driver; capacity from TUS_SIM_CAPACITY bytes, default 16 GiB, devices from TUS_SIM_DEVICES, 1
+// to kMaxDevices). A variable that is not a number in range raises InvalidArgument and makes no
+// driver, so the next call reads the environment again.
 #pragma once
 
 #include <array>
@@ -40,6 +42,9 @@ class Registry {
   // an ordinal outside [0, device_count) of the driver.
   Allocator& allocator(int device);
   std::shared_ptr<Allocator> shared_allocator(int device);
+  // The same check of an ordinal, making nothing (calls that need no allocator, such as
+  // empty_cache in torch hook mode, still refuse a device that does not exist).
+  void check_device(int device);
   // Allocators created so far, in device order.
   std::vector<std::shared_ptr<Allocator>> allocators();
   std::shared_ptr<Driver> driver();

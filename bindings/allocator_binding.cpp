@@ -8,6 +8,7 @@
 
 #include "allocator/allocator.h"
 #include "allocator/errors.h"
+#include "bindings/arguments.h"
 #include "bindings/bindings.h"
 #include "bindings/region_args.h"
 
@@ -55,35 +56,16 @@ py::dict segment_dict(const SegmentInfo& info) {
   return out;
 }
 
-// A Python size as the core's size_t. One past 2**64 - 1 bytes (a huge expanded tensor's
-// nbytes, say) is a size the core could not represent either: the same SizeOverflow
-// (Note [Sizes past the address space] in errors.h), not pybind11's TypeError.
-std::size_t requested_size(const char* call, const py::object& size) {
-  const auto number = py::reinterpret_steal<py::int_>(PyNumber_Index(size.ptr()));
-  if (!number) throw py::error_already_set();
-  if (number < py::int_(0)) {
-    TUS_THROW(InvalidArgument,
-              call << ": a size is >= 0 bytes, got " << py::str(number).cast<std::string>());
-  }
-  const std::size_t bytes = PyLong_AsSize_t(number.ptr());
-  if (bytes == static_cast<std::size_t>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    TUS_THROW(SizeOverflow, call << " of " << py::str(number).cast<std::string>()
-                                 << " bytes: the size cannot be represented (past 2**64 - 1)");
-  }
-  return bytes;
-}
-
 // Python's malloc/block_malloc: region arguments as the Python side spells them, GIL released
 // around the call (it takes the allocator's lock).
 using AllocateMethod = DevicePtr (Allocator::*)(std::size_t, StreamHandle, const RegionConfig&);
 auto allocating(const char* call, AllocateMethod method) {
-  return [call, method](Allocator& self, const py::object& size, const std::string& tag,
+  return [call, method](Allocator& self, const IntArgument& size, const std::string& tag,
                         const std::string& mode, bool cpu_backup, std::uintptr_t stream,
                         const Location& preferred, const Location& accessed_by, bool read_mostly) {
     const std::size_t bytes = requested_size(call, size);
     const RegionConfig region =
-        make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
+        make_region(call, tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
     py::gil_scoped_release release;
     return (self.*method)(bytes, reinterpret_cast<StreamHandle>(stream), region);
   };
@@ -157,11 +139,27 @@ void bind_allocator(py::module_& module) {
           py::arg("ptr"), py::arg("size"), "What the driver says about a managed range.")
       .def("is_managed", &Allocator::is_managed, py::arg("ptr"),
            py::call_guard<py::gil_scoped_release>())
-      .def("set_device_budget", &Allocator::set_device_budget, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_device_budget",
+          [](Allocator& self, const OptionalIntArgument& budget) {
+            const auto bytes = optional_whole_number({"set_device_budget", "budget"}, budget);
+            py::gil_scoped_release release;
+            self.set_device_budget(bytes.value_or(0));
+          },
+          py::arg("budget"),
+          "Keep the managed bytes on the device under `budget` (None or 0: no "
+          "budget).")
       .def("device_budget", &Allocator::device_budget, py::call_guard<py::gil_scoped_release>())
-      .def("set_managed_limit", &Allocator::set_managed_limit, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_managed_limit",
+          [](Allocator& self, const OptionalIntArgument& limit) {
+            const auto bytes = optional_whole_number({"set_managed_limit", "limit"}, limit);
+            py::gil_scoped_release release;
+            self.set_managed_limit(bytes);
+          },
+          py::arg("limit"),
+          "Refuse managed allocations past `limit` bytes (None: the default "
+          "guard).")
       .def("managed_limit", &Allocator::managed_limit, py::call_guard<py::gil_scoped_release>())
       .def(
           "pin",
@@ -186,16 +184,35 @@ void bind_allocator(py::module_& module) {
            py::call_guard<py::gil_scoped_release>(),
            "'' when every address of `ptrs` is safe to touch unpinned; else why the first one is "
            "not (lms_check).")
-      .def("set_lms_headroom", &Allocator::set_lms_headroom, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Bytes kept free under the LMS limit by paging out ahead (experimental, default 0); "
-           "None: limit / 32.")
+      .def(
+          "set_lms_headroom",
+          [](Allocator& self, const OptionalIntArgument& headroom) {
+            const auto bytes = optional_whole_number({"set_headroom_lms", "headroom"}, headroom);
+            py::gil_scoped_release release;
+            self.set_lms_headroom(bytes);
+          },
+          py::arg("headroom"),
+          "Bytes kept free under the LMS limit by paging out ahead (0: off); None: limit / 32.")
       .def("lms_headroom", &Allocator::lms_headroom, py::call_guard<py::gil_scoped_release>())
-      .def("set_lms_limit", &Allocator::set_lms_limit, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_lms_limit",
+          [](Allocator& self, const IntArgument& limit) {
+            const std::size_t bytes = whole_number({"set_limit_lms", "limit"}, limit);
+            py::gil_scoped_release release;
+            self.set_lms_limit(bytes);
+          },
+          py::arg("limit"),
+          "Device memory held before inactive lms blocks are paged out (0: 95% "
+          "of free plus held at the first lms allocation).")
       .def("lms_limit", &Allocator::lms_limit, py::call_guard<py::gil_scoped_release>())
-      .def("set_lms_size", &Allocator::set_lms_size, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_lms_size",
+          [](Allocator& self, const IntArgument& size) {
+            const std::size_t bytes = whole_number({"set_size_lms", "size"}, size);
+            py::gil_scoped_release release;
+            self.set_lms_size(bytes);
+          },
+          py::arg("size"), "lms blocks smaller than `size` bytes share segments, never paged out.")
       .def("lms_size", &Allocator::lms_size, py::call_guard<py::gil_scoped_release>())
       .def("reclaim_inactive", &Allocator::reclaim_inactive,
            py::call_guard<py::gil_scoped_release>())
@@ -203,15 +220,27 @@ void bind_allocator(py::module_& module) {
            py::call_guard<py::gil_scoped_release>())
       .def("lms_on_managed", &Allocator::lms_on_managed, py::call_guard<py::gil_scoped_release>())
       .def("lms_step", &Allocator::lms_step, py::call_guard<py::gil_scoped_release>())
-      .def("set_lms_speculation", &Allocator::set_lms_speculation, py::arg("on"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("set_lms_prefetch_depth", &Allocator::set_lms_prefetch_depth, py::arg("depth"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_lms_speculation",
+          [](Allocator& self, const FlagArgument& enabled) {
+            const bool on = flag({"set_speculation_lms", "enabled"}, enabled);
+            py::gil_scoped_release release;
+            self.set_lms_speculation(on);
+          },
+          py::arg("enabled"))
+      .def(
+          "set_lms_prefetch_depth",
+          [](Allocator& self, const IntArgument& depth) {
+            const std::size_t blocks = whole_number({"set_prefetch_lms", "depth"}, depth, "blocks");
+            py::gil_scoped_release release;
+            self.set_lms_prefetch_depth(blocks);
+          },
+          py::arg("depth"))
       .def("free", &Allocator::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "enter_region",
           [](Allocator& self, const std::string& tag, const std::string& mode, bool cpu_backup) {
-            self.enter_region(make_region(tag, mode, cpu_backup));
+            self.enter_region(make_region("region", tag, mode, cpu_backup));
           },
           py::arg("tag"), py::arg("mode") = "vmm", py::arg("cpu_backup") = false,
           py::call_guard<py::gil_scoped_release>())
@@ -227,11 +256,17 @@ void bind_allocator(py::module_& module) {
           "Map memory again under `tag` (every tag if None); returns bytes mapped.")
       .def(
           "set_backup_policy",
-          [](Allocator& self, const std::string& tag, bool retain, bool pinned, bool disk) {
-            self.set_backup_policy(tag, BackupPolicy{retain, pinned, disk});
+          [](Allocator& self, const TextArgument& tag_value, const FlagArgument& retain,
+             const FlagArgument& pinned, const FlagArgument& disk) {
+            constexpr const char* kCall = "set_backup_policy";
+            const std::string name = tag(kCall, tag_value);
+            const BackupPolicy policy{flag({kCall, "retain"}, retain),
+                                      flag({kCall, "pinned"}, pinned), flag({kCall, "disk"}, disk)};
+            py::gil_scoped_release release;
+            self.set_backup_policy(name, policy);
           },
           py::arg("tag"), py::arg("retain") = false, py::arg("pinned") = true,
-          py::arg("disk") = false, py::call_guard<py::gil_scoped_release>())
+          py::arg("disk") = false)
       .def("backup_policy",
            [](const Allocator& self, const std::string& tag) {
              BackupPolicy policy;
@@ -249,8 +284,14 @@ void bind_allocator(py::module_& module) {
            py::call_guard<py::gil_scoped_release>(),
            "Directory of this allocator's disk backups (None unsets it).")
       .def("disk_backup_dir", &Allocator::disk_backup_dir, py::call_guard<py::gil_scoped_release>())
-      .def("set_disk_backup_chunk_bytes", &Allocator::set_disk_backup_chunk_bytes, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_disk_backup_chunk_bytes",
+          [](Allocator& self, const IntArgument& size) {
+            const std::size_t bytes = whole_number({"set_disk_backup_chunk_bytes", "nbytes"}, size);
+            py::gil_scoped_release release;
+            self.set_disk_backup_chunk_bytes(bytes);
+          },
+          py::arg("nbytes"))
       .def("disk_backup_chunk_bytes", &Allocator::disk_backup_chunk_bytes,
            py::call_guard<py::gil_scoped_release>())
       .def("fail_disk_io_on", &Allocator::fail_disk_io_on, py::arg("op"), py::arg("nth"),

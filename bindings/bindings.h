@@ -11,5 +11,6 @@ void bind_allocator(pybind11::module_& module);
 void bind_registry(pybind11::module_& module);
 void bind_alias(pybind11::module_& module);
 void bind_relocation(pybind11::module_& module);
+void bind_arguments(pybind11::module_& module);
 
 }  // namespace tus::bindings

@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, module) {
   tus::bindings::bind_registry(module);
   tus::bindings::bind_alias(module);
   tus::bindings::bind_relocation(module);
+  tus::bindings::bind_arguments(module);
 }

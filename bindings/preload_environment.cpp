@@ -62,6 +62,7 @@ void apply_backup_environment() {
 void apply_preload_environment() {
   apply_backup_environment();
   RegionConfig region;
+  region.allow_paused_tag = true;  // torch_memory_saver's (Note [Allocating in a paused tag])
   region.active = env_flag("TUS_PRELOAD_ENABLE", "TMS_INIT_ENABLE").value_or(false);
   region.cpu_backup =
       env_flag("TUS_PRELOAD_CPU_BACKUP", "TMS_INIT_ENABLE_CPU_BACKUP").value_or(false);

@@ -1,6 +1,8 @@
 #include "bindings/region_args.h"
 
 #include <cstdlib>
+#include <exception>
+#include <string>
 
 #include "allocator/errors.h"
 
@@ -24,24 +26,37 @@ std::optional<std::string> location_text(const MemLocation& location) {
   return location_name(location);
 }
 
-RegionConfig make_region(const std::string& tag, const std::string& mode, bool cpu_backup,
-                         const std::optional<std::string>& preferred,
+std::string checked_tag(const char* call, const std::string& tag) {
+  if (tag.empty())
+    TUS_THROW(InvalidArgument, call << "(tag): a tag must be a non-empty string, got ''");
+  return tag;
+}
+
+RegionConfig make_region(const char* call, const std::string& tag, const std::string& mode,
+                         bool cpu_backup, const std::optional<std::string>& preferred,
                          const std::optional<std::string>& accessed_by, bool read_mostly) {
-  if (tag.empty()) throw InvalidArgument("a tag must be a non-empty string");
   RegionConfig region;
-  region.mode = parse_mode(mode);
-  region.tag = tag;
+  region.tag = checked_tag(call, tag);
+  try {
+    region.mode = parse_mode(mode);
+  } catch (const InvalidArgument&) {
+    rethrow_with_context(std::current_exception(), std::string(call) + "(mode)");
+  }
   region.cpu_backup = cpu_backup;
   region.active = true;
   if (region.mode == Mode::kManaged) {
+    if (cpu_backup) {
+      TUS_THROW(InvalidArgument, call << ": enable_cpu_backup applies to mode='vmm' only: managed "
+                                         "memory moves to the host with tus.prefetch(t, 'cpu') "
+                                         "instead");
+    }
     region.advice.preferred = parse_location(preferred);
     if (accessed_by) region.advice.accessed_by = parse_location(accessed_by);
     region.advice.read_mostly = read_mostly;
   } else if (preferred || accessed_by || read_mostly) {
-    TUS_THROW(InvalidArgument,
-              "preferred_location, accessed_by and read_mostly apply to "
-              "mode='managed' only, not '"
-                  << mode << "'");
+    TUS_THROW(InvalidArgument, call << ": preferred_location, accessed_by and read_mostly apply to "
+                                       "mode='managed' only, not '"
+                                    << mode << "'");
   }
   return region;
 }

@@ -6,6 +6,7 @@
 #include "allocator/region_config.h"
 #include "allocator/registry.h"
 #include "allocator/residency/host_buffer_pool.h"
+#include "bindings/arguments.h"
 #include "bindings/bindings.h"
 #include "bindings/pluggable_entry.h"
 #include "bindings/region_args.h"
@@ -18,6 +19,10 @@ void bind_registry(py::module_& module) {
   module.def(
       "get_allocator", [](int device) { return Registry::instance().shared_allocator(device); },
       py::arg("device"), "The process allocator of `device`, created on first use.");
+  module.def(
+      "check_device", [](int device) { Registry::instance().check_device(device); },
+      py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "InvalidArgumentError unless the driver has `device`; makes no allocator.");
   module.def(
       "allocators", [] { return Registry::instance().allocators(); },
       "Process allocators created so far.");
@@ -34,8 +39,12 @@ void bind_registry(py::module_& module) {
       py::call_guard<py::gil_scoped_release>());
   module.def(
       "set_disk_backup_chunk_bytes",
-      [](std::size_t bytes) { Registry::instance().set_disk_backup_chunk_bytes(bytes); },
-      py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
+      [](const IntArgument& size) {
+        const std::size_t bytes = whole_number({"set_disk_backup_chunk_bytes", "nbytes"}, size);
+        py::gil_scoped_release release;
+        Registry::instance().set_disk_backup_chunk_bytes(bytes);
+      },
+      py::arg("nbytes"));
   module.def(
       "disk_backup_chunk_bytes",
       [] { return Registry::instance().disk_backup_settings().chunk_bytes; },
@@ -53,7 +62,8 @@ void bind_registry(py::module_& module) {
       [](const std::string& mode, const std::string& tag, bool cpu_backup,
          const std::optional<std::string>& preferred, const std::optional<std::string>& accessed_by,
          bool read_mostly) {
-        thread_region() = make_region(tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
+        thread_region() =
+            make_region("region", tag, mode, cpu_backup, preferred, accessed_by, read_mostly);
       },
       py::arg("mode"), py::arg("tag"), py::arg("cpu_backup"),
       py::arg("preferred_location") = py::none(), py::arg("accessed_by") = py::none(),
@@ -101,7 +111,11 @@ void bind_registry(py::module_& module) {
       },
       "(retain, pinned) of the policy new tags start with.");
   module.def(
-      "set_memory_margin", [](std::size_t bytes) { Registry::instance().set_memory_margin(bytes); },
+      "set_memory_margin",
+      [](const IntArgument& margin) {
+        Registry::instance().set_memory_margin(
+            whole_number({"memory_margin_bytes", "value"}, margin));
+      },
       py::arg("bytes"),
       "Refuse hooked allocations that would leave less than `bytes` free on the device.");
   module.def(
@@ -110,7 +124,8 @@ void bind_registry(py::module_& module) {
   module.def(
       "enable_global_hook",
       [](const std::string& default_mode) {
-        Registry::instance().enable_global_hook(make_region("default", default_mode, false));
+        Registry::instance().enable_global_hook(
+            make_region("use_global_allocator", "default", default_mode, false));
       },
       py::arg("default_mode"),
       "Serve every allocation PyTorch makes from the block caches (after "
@@ -130,9 +145,14 @@ void bind_registry(py::module_& module) {
         return py::make_tuple(mode_name(region.mode), region.tag, region.cpu_backup, region.active);
       },
       "(mode, tag, cpu_backup, inside a region) of the calling thread.");
-  module.def("set_pin_ahead", &HostBufferPool::set_pin_ahead, py::arg("enabled").noconvert(),
-             "Pin backup buffers ahead of the first pause, every allocator (Note [Pinning "
-             "ahead] in host_buffer_pool.h).");
+  module.def(
+      "set_pin_ahead",
+      [](const FlagArgument& enabled) {
+        HostBufferPool::set_pin_ahead(flag({"set_pin_ahead", "enabled"}, enabled));
+      },
+      py::arg("enabled"),
+      "Pin backup buffers ahead of the first pause, every allocator (Note [Pinning ahead] in "
+      "host_buffer_pool.h).");
   module.def("get_pin_ahead", &HostBufferPool::pin_ahead,
              "Whether backup buffers are pinned ahead (TUS_PIN_AHEAD until set_pin_ahead).");
   module.def("managed_process_total", &ManagedResidency::process_total,

@@ -3,9 +3,11 @@
 // compatibility package opens in both hook modes.
 //
 // The region functions read and write the calling thread's region (thread_region()), the same
-// state tus.region() sets. pause/resume return 0 on success and 1 on failure, with the reason on
-// stderr: a C caller has no exception to catch, and the process must go on (torch_memory_saver
-// calls exit(1) there). An unknown tag is not a failure here, as in torch_memory_saver.
+// state tus.region() sets. The setters mark it as torch_memory_saver's, whose semantics serve an
+// allocation under a paused tag (Note [Allocating in a paused tag] in allocator.h).
+// pause/resume return 0 on success and 1 on failure, with the reason on stderr: a C caller has no
+// exception to catch, and the process must go on (torch_memory_saver calls exit(1) there). An
+// unknown tag is not a failure here, as in torch_memory_saver.
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -44,29 +46,33 @@ int for_each_owner(const char* call, const char* tag, Step step) {
   return status;
 }
 
+// The calling thread's region, as one of torch_memory_saver's callers sets it.
+tus::RegionConfig& tms_region() {
+  tus::RegionConfig& region = tus::thread_region();
+  region.allow_paused_tag = true;
+  return region;
+}
+
 }  // namespace
 
 TUS_C_API void tms_set_current_tag(const char* tag) {
-  if (tag != nullptr && *tag != '\0') tus::thread_region().tag = tag;
+  if (tag != nullptr && *tag != '\0') tms_region().tag = tag;
 }
 
 TUS_C_API const char* tms_get_current_tag() { return tus::thread_region().tag.c_str(); }
 
-TUS_C_API void tms_set_interesting_region(bool active) { tus::thread_region().active = active; }
+TUS_C_API void tms_set_interesting_region(bool active) { tms_region().active = active; }
 
 TUS_C_API bool tms_get_interesting_region() { return tus::thread_region().active; }
 
-TUS_C_API void tms_set_enable_cpu_backup(bool enabled) {
-  tus::thread_region().cpu_backup = enabled;
-}
+TUS_C_API void tms_set_enable_cpu_backup(bool enabled) { tms_region().cpu_backup = enabled; }
 
 TUS_C_API bool tms_get_enable_cpu_backup() { return tus::thread_region().cpu_backup; }
 
 TUS_C_API void tms_set_cpu_backup_backend(const char* backend) {
   if (backend == nullptr) return;
-  tus::thread_region().host_backup = tus::bindings::pinned_backend(backend)
-                                         ? tus::HostBackup::kPinned
-                                         : tus::HostBackup::kPageable;
+  tms_region().host_backup = tus::bindings::pinned_backend(backend) ? tus::HostBackup::kPinned
+                                                                    : tus::HostBackup::kPageable;
 }
 
 TUS_C_API const char* tms_get_cpu_backup_backend() {
@@ -78,9 +84,7 @@ TUS_C_API const char* tms_get_cpu_backup_backend() {
   return place == tus::HostBackup::kPinned ? "pinned" : "mmap";
 }
 
-TUS_C_API void tms_set_enable_disk_backup(bool enabled) {
-  tus::thread_region().disk_backup = enabled;
-}
+TUS_C_API void tms_set_enable_disk_backup(bool enabled) { tms_region().disk_backup = enabled; }
 
 TUS_C_API bool tms_get_enable_disk_backup() { return tus::thread_region().disk_backup; }
 

@@ -25,6 +25,10 @@ __all__: list[str] = [
     "SimDriver",
     "alias_capsule",
     "allocators",
+    "check_device",
+    "check_flag",
+    "check_region",
+    "check_tag",
     "clear_thread_region",
     "default_backup_policy",
     "disk_backup_chunk_bytes",
@@ -203,7 +207,7 @@ class Allocator:
         """
     def block_malloc(
         self,
-        size: typing.SupportsInt | typing.SupportsIndex,
+        size: int,
         tag: str = "default",
         mode: str = "device",
         cpu_backup: bool = False,
@@ -251,7 +255,7 @@ class Allocator:
     def lms_step(self) -> None: ...
     def malloc(
         self,
-        size: typing.SupportsInt | typing.SupportsIndex,
+        size: int,
         tag: str = "default",
         mode: str = "vmm",
         cpu_backup: bool = False,
@@ -322,26 +326,34 @@ class Allocator:
     def set_backup_policy(
         self, tag: str, retain: bool = False, pinned: bool = True, disk: bool = False
     ) -> None: ...
-    def set_device_budget(self, bytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
-    def set_disk_backup_chunk_bytes(
-        self, bytes: typing.SupportsInt | typing.SupportsIndex
-    ) -> None: ...
+    def set_device_budget(self, budget: int | None) -> None:
+        """
+        Keep the managed bytes on the device under `budget` (None or 0: no budget).
+        """
+    def set_disk_backup_chunk_bytes(self, nbytes: int) -> None: ...
     def set_disk_backup_dir(self, path: str | None) -> None:
         """
         Directory of this allocator's disk backups (None unsets it).
         """
-    def set_lms_headroom(self, bytes: typing.SupportsInt | typing.SupportsIndex | None) -> None:
+    def set_lms_headroom(self, headroom: int | None) -> None:
         """
-        Bytes kept free under the LMS limit by paging out ahead (experimental, default 0); None: limit / 32.
+        Bytes kept free under the LMS limit by paging out ahead (0: off); None: limit / 32.
         """
-    def set_lms_limit(self, bytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def set_lms_limit(self, limit: int) -> None:
+        """
+        Device memory held before inactive lms blocks are paged out (0: 95% of free plus held at the first lms allocation).
+        """
     def set_lms_on_managed(self, managed: bool) -> None: ...
-    def set_lms_prefetch_depth(self, depth: typing.SupportsInt | typing.SupportsIndex) -> None: ...
-    def set_lms_size(self, bytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
-    def set_lms_speculation(self, on: bool) -> None: ...
-    def set_managed_limit(
-        self, bytes: typing.SupportsInt | typing.SupportsIndex | None
-    ) -> None: ...
+    def set_lms_prefetch_depth(self, depth: int) -> None: ...
+    def set_lms_size(self, size: int) -> None:
+        """
+        lms blocks smaller than `size` bytes share segments, never paged out.
+        """
+    def set_lms_speculation(self, enabled: bool) -> None: ...
+    def set_managed_limit(self, limit: int | None) -> None:
+        """
+        Refuse managed allocations past `limit` bytes (None: the default guard).
+        """
     def stats(self) -> dict[str, int | float]: ...
     def tags(self) -> list[str]: ...
     def unpin(self, ptr: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
@@ -445,6 +457,34 @@ def allocators() -> list[Allocator]:
     Process allocators created so far.
     """
 
+def check_device(device: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    InvalidArgumentError unless the driver has `device`; makes no allocator.
+    """
+
+def check_flag(call: str, name: str, value: bool) -> bool:
+    """
+    `value` if it is True or False; else a TypeError naming `call` and `name`.
+    """
+
+def check_region(
+    call: str,
+    mode: str,
+    tag: str,
+    enable_cpu_backup: bool,
+    preferred_location: str | None,
+    accessed_by: str | None,
+    read_mostly: bool,
+) -> tuple[str, str, bool, str | None, str | None, bool]:
+    """
+    The region's arguments checked and in the form set_thread_region takes: (mode, tag, cpu_backup, preferred_location, accessed_by, read_mostly). Locations are None, 'cpu' or 'cuda:<index>'.
+    """
+
+def check_tag(call: str, tag: str) -> str:
+    """
+    `tag` if it is a tag (a non-empty string); else TypeError or InvalidArgumentError naming `call` (Note [Argument errors] in bindings/arguments.h).
+    """
+
 def clear_thread_region() -> None:
     """
     The calling thread leaves every region (the global hook then uses its default).
@@ -516,13 +556,13 @@ def set_default_backup_policy(retain: bool, pinned: bool) -> None:
     The backup policy new tags start with.
     """
 
-def set_disk_backup_chunk_bytes(bytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+def set_disk_backup_chunk_bytes(nbytes: int) -> None: ...
 def set_disk_backup_dir(path: str | None) -> None:
     """
     Directory of every allocator's disk backups, now and later (None unsets it).
     """
 
-def set_memory_margin(bytes: typing.SupportsInt | typing.SupportsIndex) -> None:
+def set_memory_margin(bytes: int) -> None:
     """
     Refuse hooked allocations that would leave less than `bytes` free on the device.
     """

@@ -62,7 +62,7 @@ def cuda_graph(
     Works in the torch and preload hook modes. Raises InvalidStateError in the global hook mode
     (PyTorch's graph pools need its own caching allocator) and when the tag is paused.
     """
-    _native.check_tag(tag)
+    config = regions.region_key("cuda_graph", tag, "vmm", enable_cpu_backup, None, None, False)
     if _C.global_hook() is not None:
         raise InvalidStateError(
             "cuda_graph: not available in the global hook mode (set_enabled_uvm, "
@@ -70,9 +70,8 @@ def cuda_graph(
             "allocator. Capture with torch.cuda.graph there; its memory does not pause."
         )
     device = _native.device_index(None)
-    config = regions._region_key(tag, "vmm", enable_cpu_backup, None, None, False)
     allocator = _native.allocator(device)
-    allocator.enter_region(tag, "vmm", bool(enable_cpu_backup))
+    allocator.enter_region(tag, "vmm", config[2])
     try:
         if pool is None:
             own_pool = regions.new_pool(device)

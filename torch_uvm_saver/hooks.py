@@ -115,7 +115,7 @@ def set_enabled_uvm(enabled: bool) -> None:
     Must run before CUDA is initialized (the first CUDA tensor). Switching it off again is
     refused once it is on, because PyTorch cannot swap its allocator back.
     """
-    if enabled:
+    if _C.check_flag("set_enabled_uvm", "enabled", enabled):
         _install_global("managed", "set_enabled_uvm(True)")
         return
     if get_enabled_uvm():
@@ -133,6 +133,7 @@ def get_enabled_uvm() -> bool:
 def record_stream(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Tell the global-mode cache that ``t`` is also used on ``stream`` (Note [record_stream in
     the global hook mode]); its block is reused only after that stream's work is done."""
+    _native.tensor(t, "record_stream")
     if _C.global_hook() is None:
         t.record_stream(stream)
         return
@@ -152,9 +153,10 @@ def empty_cache(device: _native.DeviceLike = None) -> int:
     """Give the global-mode cache's wholly free segments back to the driver; returns bytes.
 
     In the torch hook mode this is ``torch.cuda.empty_cache()`` (PyTorch caches there) and
-    returns 0.
+    returns 0; ``device`` must exist all the same.
     """
     if _C.global_hook() is None:
+        _C.check_device(_native.device_index(device))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return 0

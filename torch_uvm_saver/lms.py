@@ -66,7 +66,7 @@ def set_enabled_lms(enabled: bool) -> None:
 
     Must run before CUDA is initialized; switching it off again is refused once it is on.
     """
-    if enabled:
+    if _C.check_flag("set_enabled_lms", "enabled", enabled):
         _install_global("lms", "set_enabled_lms(True)")
         return
     if get_enabled_lms():
@@ -85,9 +85,7 @@ def set_limit_lms(limit: int, device: _native.DeviceLike = None) -> None:
 
     0 means 95% of the free plus held device memory, measured at the first ``lms`` allocation.
     """
-    if limit < 0:
-        raise InvalidArgumentError(f"an LMS limit must be >= 0 bytes, got {limit}")
-    _native.allocator(device).set_lms_limit(int(limit))
+    _native.allocator(device).set_lms_limit(limit)
 
 
 def get_limit_lms(device: _native.DeviceLike = None) -> int:
@@ -97,9 +95,7 @@ def get_limit_lms(device: _native.DeviceLike = None) -> int:
 
 def set_size_lms(size: int, device: _native.DeviceLike = None) -> None:
     """Blocks smaller than ``size`` bytes are never paged out (they share segments)."""
-    if size < 0:
-        raise InvalidArgumentError(f"an LMS block size must be >= 0 bytes, got {size}")
-    _native.allocator(device).set_lms_size(int(size))
+    _native.allocator(device).set_lms_size(size)
 
 
 def get_size_lms(device: _native.DeviceLike = None) -> int:
@@ -129,16 +125,14 @@ def lms_step(device: _native.DeviceLike = None) -> None:
 def set_speculation_lms(enabled: bool, device: _native.DeviceLike = None) -> None:
     """Page a block out as soon as it is unpinned where the previous iteration had to reclaim the
     block unpinned there (default on)."""
-    _native.allocator(device).set_lms_speculation(bool(enabled))
+    _native.allocator(device).set_lms_speculation(enabled)
 
 
 def set_prefetch_lms(depth: int, device: _native.DeviceLike = None) -> None:
     """At every pin, page in the next ``depth`` blocks that the previous iteration paged in after
     this point (default 32; 0 turns prefetch off). Only into free room under the limit less the
     headroom, never by paging anything out."""
-    if depth < 0:
-        raise InvalidArgumentError(f"a prefetch depth is >= 0, got {depth}")
-    _native.allocator(device).set_lms_prefetch_depth(int(depth))
+    _native.allocator(device).set_lms_prefetch_depth(depth)
 
 
 def set_headroom_lms(headroom: int | None, device: _native.DeviceLike = None) -> None:
@@ -152,9 +146,7 @@ def set_headroom_lms(headroom: int | None, device: _native.DeviceLike = None) ->
     Blocks go out as soon as they are unpinned, so code that reads a tensor outside
     ``lms_mode()``/``pinned()`` (Note [Touching reclaimed memory]) meets a paged-out block much
     sooner than with the ladder alone."""
-    if headroom is not None and headroom < 0:
-        raise InvalidArgumentError(f"an LMS headroom must be >= 0 bytes or None, got {headroom}")
-    _native.allocator(device).set_lms_headroom(None if headroom is None else int(headroom))
+    _native.allocator(device).set_lms_headroom(headroom)
 
 
 def get_headroom_lms(device: _native.DeviceLike = None) -> int:
@@ -177,6 +169,7 @@ def pin(t: torch.Tensor) -> bool:
     Pins count: a block pinned twice needs two unpins. Returns False (and does nothing) for
     tensors that are not ``lms`` memory.
     """
+    _native.tensor(t, "pin")
     if t.device.type != "cuda" or t.untyped_storage().data_ptr() == 0:
         return False
     index = t.device.index
@@ -185,6 +178,7 @@ def pin(t: torch.Tensor) -> bool:
 
 def unpin(t: torch.Tensor) -> bool:
     """Undo one ``pin``; the block becomes reclaimable when its last pin goes."""
+    _native.tensor(t, "unpin")
     if t.device.type != "cuda" or t.untyped_storage().data_ptr() == 0:
         return False
     return bool(_native.allocator(t.device.index).unpin(t.untyped_storage().data_ptr()))

@@ -75,8 +75,7 @@ def is_managed(t: torch.Tensor) -> bool:
     False for ordinary CPU tensors, pinned memory and ordinary device memory, and on a machine
     where no CUDA driver can be loaded (nothing is managed there).
     """
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"is_managed() takes a tensor, got {type(t).__name__}")
+    _native.tensor(t, "is_managed")
     if t.device.type not in ("cuda", "cpu"):
         return False
     ptr = t.untyped_storage().data_ptr()
@@ -139,6 +138,7 @@ def manage_memory(t: torch.Tensor) -> torch.Tensor:
     For a CPU tensor the result is a CPU tensor whose storage is managed (it prefers the host);
     for a CUDA tensor a CUDA tensor whose pages prefer its GPU. The copy is contiguous.
     """
+    _native.tensor(t, "manage_memory")
     if t.device.type not in ("cuda", "cpu"):
         raise InvalidArgumentError(f"manage_memory() takes a CPU or CUDA tensor, not {t.device}")
     if is_managed(t):
@@ -150,6 +150,7 @@ def manage_memory(t: torch.Tensor) -> torch.Tensor:
 
 def unmanage_memory(t: torch.Tensor) -> torch.Tensor:
     """A copy of managed ``t`` in ordinary memory of its device (``t`` itself if not managed)."""
+    _native.tensor(t, "unmanage_memory")
     if not is_managed(t):
         return t
     if t.device.type == "cpu":
@@ -164,9 +165,7 @@ def unmanage_memory(t: torch.Tensor) -> torch.Tensor:
 
 
 def _target_device(device: _native.DeviceLike) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    parsed = torch.device(device)
+    parsed = _native.torch_device(device)
     if parsed.type == "cuda" and parsed.index is None:
         return torch.device("cuda", _native.device_index(None))
     return parsed
@@ -186,6 +185,7 @@ def to(
     ``copy=True``, a tensor that is not managed, or one autograd tracks through (Note [Autograd
     and aliases]) fall back to ``Tensor.to``, which copies.
     """
+    _native.tensor(t, "to")
     target = _target_device(device) if device is not None else t.device
     changes_dtype = dtype is not None and dtype != t.dtype
     tracked = t.requires_grad and not t.is_leaf and torch.is_grad_enabled()
@@ -213,6 +213,7 @@ def prefetch(
     Asynchronous, ordered on ``stream`` (default: the current stream). Pages our last prefetch
     already put there are skipped; returns the bytes actually scheduled.
     """
+    _native.tensor(t, "prefetch")
     target = _native.location(device)
     if target is None:
         raise InvalidArgumentError("prefetch() needs a destination device")
@@ -233,24 +234,30 @@ def advise(
     ``preferred_location``: where pages should live (None clears it). ``accessed_by``: a device
     (or ``"cpu"``) that keeps a mapping to the pages wherever they are (None clears every
     accessor). ``read_mostly``: True/False sets/clears read duplication. Omitted hints stay.
+    Every argument is checked before any hint changes.
     """
+    _native.tensor(t, "advise")
+    preferred = _KEEP
+    if preferred_location is not _KEEP:
+        preferred = _native.location(preferred_location, "preferred_location")
+    accessor = _native.location(accessed_by, "accessed_by") if accessed_by is not _KEEP else _KEEP
+    if read_mostly is not None:
+        read_mostly = _C.check_flag("advise", "read_mostly", read_mostly)
     ptr, nbytes = _span(t)
     allocator = _native.allocator(_memory_device(t))
     if not is_managed(t):
         raise InvalidArgumentError("advise() applies to managed memory only")
-    if preferred_location is not _KEEP:
-        where = _native.location(preferred_location)
-        if where is None:
+    if preferred is not _KEEP:
+        if preferred is None:
             allocator.advise(ptr, nbytes, "unset_preferred_location", None)
         else:
-            allocator.advise(ptr, nbytes, "set_preferred_location", where)
-    if accessed_by is not _KEEP:
-        where = _native.location(accessed_by)
-        if where is None:
+            allocator.advise(ptr, nbytes, "set_preferred_location", preferred)
+    if accessor is not _KEEP:
+        if accessor is None:
             for current in allocator.range_attributes(ptr, nbytes)["accessed_by"]:
                 allocator.advise(ptr, nbytes, "unset_accessed_by", current)
         else:
-            allocator.advise(ptr, nbytes, "set_accessed_by", where)
+            allocator.advise(ptr, nbytes, "set_accessed_by", accessor)
     if read_mostly is not None:
         allocator.advise(ptr, nbytes, "set_read_mostly" if read_mostly else "unset_read_mostly")
 
@@ -258,7 +265,7 @@ def advise(
 def memory_attributes(t: torch.Tensor) -> dict[str, Any]:
     """What the driver says about managed ``t``'s range: preferred and last-prefetch location,
     accessors, read-mostly."""
-    ptr, nbytes = _span(t)
+    ptr, nbytes = _span(_native.tensor(t, "memory_attributes"))
     return dict(_native.allocator(_memory_device(t)).range_attributes(ptr, nbytes))
 
 
@@ -269,9 +276,7 @@ def set_device_budget(budget: int | None, device: _native.DeviceLike = None) -> 
     there instead of faulting them back; using one again brings it back. This is how
     oversubscription is emulated on a GPU shared with others.
     """
-    if budget is not None and budget < 0:
-        raise InvalidArgumentError(f"a device budget must be >= 0 bytes, got {budget}")
-    _native.allocator(device).set_device_budget(int(budget or 0))
+    _native.allocator(device).set_device_budget(budget)
 
 
 def get_device_budget(device: _native.DeviceLike = None) -> int | None:
@@ -284,8 +289,6 @@ def set_managed_limit(limit: int | None, device: _native.DeviceLike = None) -> N
 
     None restores the default guard: the device's free memory (plus managed bytes already on it).
     """
-    if limit is not None and limit < 0:
-        raise InvalidArgumentError(f"a managed limit must be >= 0 bytes, got {limit}")
     _native.allocator(device).set_managed_limit(limit)
 
 

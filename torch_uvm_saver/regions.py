@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from . import _C, _native
-from .errors import InvalidArgumentError, InvalidStateError
+from .errors import InvalidStateError
 from .residency import apply_backup_policy
 
 __all__ = ["disable", "region"]
@@ -196,13 +196,14 @@ def region(
 
     Raises:
         InvalidStateError: the tag is paused (resume it first), or there is no CUDA device.
-        InvalidArgumentError: bad tag or mode.
+        InvalidArgumentError: bad tag, mode, device or location, or managed-only arguments for
+            another mode. TypeError: an argument of the wrong type (a flag that is not a bool).
 
     Only the calling thread is routed (see Note [Regions route one thread]).
     """
-    _native.check_tag(tag)
-    _native.check_mode(mode)
-    config = _region_key(tag, mode, enable_cpu_backup, preferred_location, accessed_by, read_mostly)
+    config = region_key(
+        "region", tag, mode, enable_cpu_backup, preferred_location, accessed_by, read_mostly
+    )
     if mode == "lms" and _C.global_hook() is None:
         # Note [LMS blocks] (lms_residency.h): PyTorch's pools would split what LMS pages out.
         raise InvalidStateError(
@@ -214,7 +215,7 @@ def region(
     index = _native.device_index(device)
     allocator = _native.allocator(index)
     apply_backup_policy(allocator, tag)
-    allocator.enter_region(tag, mode, bool(enable_cpu_backup))
+    allocator.enter_region(tag, mode, config[2])
     try:
         # Note [Regions in the global hook mode]
         pool = None if _C.global_hook() is not None else pool_for(config, index)
@@ -224,7 +225,8 @@ def region(
         allocator.exit_region(tag)
 
 
-def _region_key(
+def region_key(
+    call: str,
     tag: str,
     mode: str,
     enable_cpu_backup: bool,
@@ -232,25 +234,16 @@ def _region_key(
     accessed_by: _native.DeviceLike,
     read_mostly: bool,
 ) -> RegionKey:
-    if mode != "managed" and (
-        preferred_location is not None or accessed_by is not None or read_mostly
-    ):
-        raise InvalidArgumentError(
-            "preferred_location, accessed_by and read_mostly apply to mode='managed' only, "
-            f"not {mode!r}"
-        )
-    if mode == "managed" and enable_cpu_backup:
-        raise InvalidArgumentError(
-            "enable_cpu_backup applies to mode='vmm' only: managed memory moves to the host "
-            "with tus.prefetch(t, 'cpu') instead"
-        )
-    return (
+    """The region's arguments checked (natively: Note [Where arguments are checked] in
+    _native.py), in the form ``_C.set_thread_region`` takes and pools are keyed by."""
+    return _C.check_region(
+        call,
         mode,
         tag,
-        bool(enable_cpu_backup),
-        _native.location(preferred_location),
-        _native.location(accessed_by),
-        bool(read_mostly),
+        enable_cpu_backup,
+        _native.location(preferred_location, "preferred_location"),
+        _native.location(accessed_by, "accessed_by"),
+        read_mostly,
     )
 
 

@@ -46,7 +46,7 @@ def _owners(tag: str | None, call: str) -> list[_C.Allocator]:
     allocators = _native.allocators()
     if tag is None:
         return allocators
-    _native.check_tag(tag)
+    _C.check_tag(call, tag)
     owners = [a for a in allocators if a.knows_tag(tag)]
     if not owners:
         known = sorted({t for a in allocators for t in a.tags()})
@@ -59,10 +59,16 @@ def _owners(tag: str | None, call: str) -> list[_C.Allocator]:
 def pause(tag: str | None = None) -> int:
     """Release the device memory of ``tag`` (every tag if None) on every device that has it.
 
-    Returns the device bytes released. Pausing a paused tag does nothing and returns 0.
+    Returns the device bytes released. Pausing a paused tag does nothing and returns 0, and so
+    does pausing a tag that holds no ``vmm`` memory (it does not turn paused). With no tag, the
+    ``vmm`` memory of every tag pauses, the ``vmm`` part of a tag that mixes modes included;
+    memory of other modes stays resident (Note [Pausing every tag] in allocator.h). A paused tag
+    takes no new allocations until ``resume``, but for torch_memory_saver's callers (Note
+    [Allocating in a paused tag] in allocator.h).
 
     Raises:
-        InvalidArgumentError: unknown tag, or the tag holds ``mode="device"`` memory.
+        InvalidArgumentError: unknown tag, or the named tag holds memory of a mode that cannot
+            pause (``device``, ``managed``, ``lms``).
         InvalidStateError: a ``region`` of the tag is still open, or a CUDA graph capture is
             (Note [Pausing during capture] in capture.py).
         CudaError: a driver call failed; the message says whether the tag is partly paused.
@@ -88,6 +94,7 @@ def resume(tag: str | None = None) -> int:
 
 def is_paused(tag: str) -> bool:
     """True when ``tag`` is paused on any device."""
+    _C.check_tag("is_paused", tag)
     return any(allocator.is_paused(tag) for allocator in _owners(tag, "is_paused"))
 
 
@@ -108,9 +115,14 @@ def set_backup_policy(
             no directory is set or it is not writable or full; a write error part way leaves the
             segment being written on the device. ``get_cpu_backup`` returns None for these.
     """
-    _native.check_tag(tag)
+    tag = _C.check_tag("set_backup_policy", tag)
+    policy = (
+        _C.check_flag("set_backup_policy", "retain", retain),
+        _C.check_flag("set_backup_policy", "pinned", pinned),
+        _C.check_flag("set_backup_policy", "disk", disk),
+    )
     with _policies_lock:
-        _policies[tag] = (bool(retain), bool(pinned), bool(disk))
+        _policies[tag] = policy
     for allocator in _native.allocators():
         apply_backup_policy(allocator, tag)
 
@@ -140,7 +152,7 @@ def set_disk_backup_chunk_bytes(nbytes: int) -> None:
     """Size of each pinned staging buffer and IO request of disk backup (two are used); a multiple
     of 4 KiB up to 1 GiB. The default is 64 MiB, or ``TUS_DISK_BACKUP_CHUNK_MB`` /
     ``TMS_DISK_BACKUP_CHUNK_MB``."""
-    _C.set_disk_backup_chunk_bytes(int(nbytes))
+    _C.set_disk_backup_chunk_bytes(nbytes)
 
 
 def get_disk_backup_chunk_bytes() -> int:
@@ -195,8 +207,7 @@ def get_cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
     A backup exists while the tensor's tag is paused with ``enable_cpu_backup=True``, and after
     ``resume`` when the tag's policy retains it (``set_backup_policy(tag, retain=True)``).
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgumentError(f"get_cpu_backup expects a tensor, got {type(tensor).__name__}")
+    _native.tensor(tensor, "get_cpu_backup", "tensor")
     if tensor.device.type != "cuda":
         raise InvalidArgumentError(f"get_cpu_backup expects a CUDA tensor, got {tensor.device}")
     owners = [a for a in _native.allocators() if a.device == tensor.device.index]

@@ -160,6 +160,34 @@ def preload_everything_from_the_start_pauses_with_its_bytes() -> None:
     assert weights.sum(dtype=torch.int64).item() == expected
 
 
+@scenario(**PRELOAD, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+def preload_memory_allocated_in_a_paused_tag_is_active_and_pauses_next_time() -> None:
+    # torch_memory_saver's semantics (Note [Allocating in a paused tag] in allocator.h): threads
+    # start inside the region, so PyTorch goes on allocating under the paused tag.
+    import torch
+
+    import torch_uvm_saver as tus
+
+    weights = torch.full((GiB,), 7, dtype=torch.uint8, device="cuda")
+    torch.cuda.empty_cache()
+    tus.pause()
+    assert tus.is_paused("default")
+    fresh = torch.full((256 * MiB,), 9, dtype=torch.uint8, device="cuda")  # served, active
+    assert int(fresh.sum()) == 9 * 256 * MiB
+    tus.resume()  # maps the weights again; the fresh memory is left alone
+    assert int(fresh.sum()) == 9 * 256 * MiB
+    assert int(weights.sum()) == 7 * GiB
+    torch.cuda.synchronize()
+    before = free_bytes()
+    tus.pause()  # the next pause pauses both
+    freed = free_bytes() - before
+    print(f"pause freed {freed / MiB:.0f} MiB")
+    assert freed >= 0.99 * (GiB + 256 * MiB)
+    tus.resume()
+    assert int(fresh.sum()) == 9 * 256 * MiB
+    assert int(weights.sum()) == 7 * GiB
+
+
 @scenario(**PRELOAD)
 def preload_region_pauses_its_tag_and_leaves_other_memory() -> None:
     import torch

@@ -273,6 +273,44 @@ def pausing_while_the_region_is_open_is_refused() -> None:
 
 
 @scenario
+def bad_arguments_are_refused_and_change_nothing() -> None:
+    # On a GPU these calls get past the checks that need CUDA, so the device and flag checks of
+    # region(), empty_cache() and advise() run here (tests/sim/test_bad_inputs.py has the rest).
+    import torch
+
+    import torch_uvm_saver as tus
+
+    def enter(**arguments) -> None:
+        with tus.region("w", **arguments):
+            pass
+
+    count = torch.cuda.device_count()
+    expect_error(tus.InvalidArgumentError, lambda: enter(device="bogus"), "'bogus' is not a device")
+    expect_error(tus.InvalidArgumentError, lambda: enter(device=count), "does not exist")
+    expect_error(TypeError, lambda: enter(enable_cpu_backup="yes"), "region(enable_cpu_backup)")
+    with tus.region("w", enable_cpu_backup=True):  # nothing above left a region of it open
+        kept = torch.ones(MiB, dtype=torch.uint8, device="cuda")
+    assert tus.pause("w") >= MiB
+    tus.resume("w")
+    expect_error(tus.InvalidArgumentError, lambda: tus.empty_cache(device=count), "does not exist")
+    expect_error(tus.InvalidArgumentError, lambda: tus.empty_cache(device=-1), "does not exist")
+    assert tus.empty_cache() == 0
+    managed = tus.manage_memory(torch.zeros(MiB, device="cuda"))
+    before = tus.memory_attributes(managed)
+    expect_error(
+        TypeError,
+        lambda: tus.advise(managed, preferred_location="cpu", read_mostly="no"),
+        "advise(read_mostly)",
+    )
+    assert tus.memory_attributes(managed) == before  # the preferred location was not set either
+    expect_error(TypeError, lambda: tus.set_device_budget(1.5), "set_device_budget(budget)")
+    assert tus.get_device_budget() is None
+    expect_error(TypeError, lambda: tus.pin(None), "pin(t)")
+    expect_error(tus.InvalidArgumentError, lambda: tus.to(managed, "bogus"), "is not a device")
+    assert int(kept.sum()) == MiB
+
+
+@scenario
 def device_mode_is_the_baseline_and_cannot_pause() -> None:
     import torch
 

@@ -332,20 +332,74 @@ def test_pause_resume_stats(driver, allocator, consistent) -> None:
     assert stats["resume_copy_bytes.all"] == 24 * MiB
 
 
-def test_new_memory_in_a_paused_tag_is_paused_by_the_next_pause(
-    driver, allocator, fill, peek
-) -> None:
+@pytest.mark.parametrize("mode", ["vmm", "device", "managed"])
+def test_allocating_in_a_paused_tag_is_refused(driver, allocator, fill, peek, mode) -> None:
+    # As entering a region of it is: the tag reads paused, so nothing new may live in it.
     first = allocator.malloc(4 * MiB, tag="t", cpu_backup=True)
+    data = fill(first, 4 * MiB)
     allocator.pause("t")
-    second = allocator.malloc(6 * MiB, tag="t", cpu_backup=True)
-    data = fill(second, 6 * MiB)
-    assert driver.used_bytes() == 6 * MiB
-    assert allocator.pause("t") == 6 * MiB
+    before = allocator.stats()
+    with pytest.raises(InvalidStateError, match=r"'t'.*paused.*resume\('t'\)"):
+        allocator.malloc(6 * MiB, tag="t", mode=mode)
+    with pytest.raises(InvalidStateError, match="paused"):
+        allocator.block_malloc(6 * MiB, tag="t", mode=mode)
+    assert allocator.stats() == before
     assert driver.used_bytes() == 0
-    assert allocator.resume("t") == 10 * MiB
-    assert peek(second, 6 * MiB) == data
-    allocator.free(first)
+    assert [s["ptr"] for s in allocator.segments()] == [first]
+    allocator.resume("t")
+    assert peek(first, 4 * MiB) == data
+    second = allocator.malloc(6 * MiB, tag="t", mode=mode)  # resumed: allowed again
     allocator.free(second)
+    allocator.free(first)
+
+
+def test_a_paused_tag_hands_out_no_cached_block(driver, allocator) -> None:
+    # The global hook's cache kept a free block of the tag: reusing it while paused would hand
+    # out memory with nothing mapped under it.
+    block = allocator.block_malloc(4 * MiB, tag="t", mode="vmm")
+    assert allocator.block_free(block)
+    allocator.pause("t")
+    with pytest.raises(InvalidStateError, match="paused"):
+        allocator.block_malloc(4 * MiB, tag="t", mode="vmm")
+    allocator.resume("t")
+    assert allocator.block_malloc(4 * MiB, tag="t", mode="vmm") == block
+
+
+def test_a_tag_without_memory_never_reads_paused(driver, allocator) -> None:
+    # A policy set ahead of the first allocation keeps its tag, but there is nothing to pause.
+    allocator.set_backup_policy("ghost", retain=True)
+    allocator.malloc(4 * MiB, tag="real")
+    assert allocator.pause(None) == 4 * MiB
+    assert not allocator.is_paused("ghost")
+    assert allocator.pause("ghost") == 0
+    assert not allocator.is_paused("ghost")
+    allocator.enter_region("ghost")  # not refused: the tag is not paused
+    allocator.exit_region("ghost")
+    ptr = allocator.malloc(4 * MiB, tag="ghost", cpu_backup=True)
+    assert allocator.backup_policy("ghost")["retain"]  # the policy was kept for it
+    assert allocator.pause("ghost") == 4 * MiB
+    assert allocator.is_paused("ghost")
+    allocator.resume(None)
+    allocator.free(ptr)
+
+
+@pytest.mark.parametrize("other", ["device", "managed"])
+def test_pause_all_pauses_the_vmm_part_of_a_mixed_tag(driver, allocator, fill, peek, other) -> None:
+    pausable = allocator.malloc(4 * MiB, tag="mixed", cpu_backup=True)
+    resident = allocator.malloc(2 * MiB, tag="mixed", mode=other)
+    data = fill(pausable, 4 * MiB), fill(resident, 2 * MiB)
+    with pytest.raises(InvalidArgumentError, match=f"mode '{other}'"):
+        allocator.pause("mixed")  # asked by name, the whole tag cannot pause: refused
+    assert allocator.pause(None) == 4 * MiB  # everything that can pause does
+    assert allocator.is_paused("mixed")
+    stats = allocator.stats()
+    assert stats["paused_bytes.tag:mixed.current"] == 4 * MiB
+    assert peek(resident, 2 * MiB) == data[1]  # memory of other modes cannot pause: it stays
+    assert allocator.resume(None) == 4 * MiB
+    assert not allocator.is_paused("mixed")
+    assert peek(pausable, 4 * MiB) == data[0]
+    allocator.free(resident)
+    allocator.free(pausable)
 
 
 def test_out_of_memory_during_resume(make_pair, fill, peek, consistent) -> None:

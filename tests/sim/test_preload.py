@@ -149,6 +149,50 @@ def test_tms_functions_pause_by_tag_and_unknown_tags_are_not_errors() -> None:
     )
 
 
+def test_new_memory_in_a_paused_tag_is_active_and_paused_by_the_next_pause() -> None:
+    # torch_memory_saver's semantics (Note [Allocating in a paused tag] in allocator.h): a thread
+    # that starts inside the region by TMS_INIT_ENABLE goes on allocating after tus.pause(); the
+    # new memory is active, the next pause pauses it, a resume leaves it alone.
+    run_child(
+        """
+        first = malloc(4 << 20)
+        old = os.urandom(4 << 20)
+        ctypes.memmove(first, old, len(old))
+        assert tus.pause() == 4 << 20 and tus.is_paused("default")
+        second = malloc(6 << 20)
+        new = os.urandom(6 << 20)
+        ctypes.memmove(second, new, len(new))
+        assert tus.resume() == 4 << 20
+        assert ctypes.string_at(second, len(new)) == new
+        assert ctypes.string_at(first, len(old)) == old
+        assert tus.pause() == 10 << 20
+        assert tus.resume() == 10 << 20
+        assert ctypes.string_at(second, len(new)) == new
+        assert cuda_free(first) == 0 and cuda_free(second) == 0
+        """,
+        TMS_INIT_ENABLE="1",
+        TMS_INIT_ENABLE_CPU_BACKUP="1",
+    )
+
+
+def test_a_native_region_in_a_paused_tag_refuses_the_allocation() -> None:
+    # In the same process a thread under tus's own region state is refused, with the reason.
+    run_child(
+        """
+        process.tus_preload_last_error.restype = ctypes.c_char_p
+        first = malloc(4 << 20)
+        tus.pause()
+        tus._C.set_thread_region("vmm", "default", True)
+        pointer = ctypes.c_void_p()
+        assert cuda_malloc(ctypes.byref(pointer), 2 << 20) == 2  # cudaErrorMemoryAllocation
+        assert b"the tag is paused" in process.tus_preload_last_error()
+        tus.resume()
+        assert cuda_free(first) == 0
+        """,
+        TMS_INIT_ENABLE="1",
+    )
+
+
 def test_an_allocation_past_the_memory_margin_fails_with_out_of_memory() -> None:
     run_child(
         """

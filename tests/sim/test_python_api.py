@@ -66,12 +66,13 @@ def test_unknown_tag(process, function) -> None:
     assert "'api-known'" in str(raised.value)
 
 
-@pytest.mark.parametrize("tag", ["", 3])
-def test_bad_tag(process, tag) -> None:
+@pytest.mark.parametrize(("tag", "error"), [("", InvalidArgumentError), (3, TypeError)])
+def test_bad_tag(process, tag, error) -> None:
+    # A wrong value is InvalidArgumentError, a wrong type TypeError (Note [Argument errors]).
     for function in (tus.pause, tus.resume, tus.is_paused):
-        with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        with pytest.raises(error, match="non-empty string"):
             function(tag)
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(error):
         tus.set_backup_policy(tag, retain=True)
 
 
@@ -153,6 +154,19 @@ def test_set_backup_policy_retain(process, fill) -> None:
     assert ctypes.string_at(host, 6 * MiB) == data
 
 
+def test_a_backup_policy_ahead_of_memory_does_not_make_its_tag_paused(process) -> None:
+    _, allocator = process
+    tus.set_backup_policy("api-ghost", retain=True)
+    ptr = allocator.malloc(4 * MiB, tag="api-real")
+    tus.pause()
+    assert tus.is_paused("api-real")
+    assert not tus.is_paused("api-ghost")  # no memory: nothing was paused
+    tus.pause("api-ghost")
+    assert not tus.is_paused("api-ghost")
+    tus.resume()
+    allocator.free(ptr)
+
+
 def test_set_backup_policy_pageable_and_release_host_cache(process, fill, peek) -> None:
     driver, allocator = process
     # The policy comes first: a pinned buffer prepared ahead for a segment (Note [Pinning ahead])
@@ -191,7 +205,7 @@ def test_region_argument_errors() -> None:
 def test_get_cpu_backup_rejects_non_cuda_tensors() -> None:
     with pytest.raises(InvalidArgumentError, match="expects a CUDA tensor"):
         tus.get_cpu_backup(torch.zeros(4))
-    with pytest.raises(InvalidArgumentError, match="expects a tensor"):
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         tus.get_cpu_backup(b"bytes")
 
 

@@ -5,6 +5,7 @@ clear errors when a hook mode cannot work."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import torch_uvm_saver as tus
-from torch_uvm_saver import tms_install
+from torch_uvm_saver import _C, tms_install
 from torch_uvm_saver.errors import InvalidArgumentError, InvalidStateError
 from torch_uvm_saver.tms_compat import TorchMemorySaver, binary_wrapper, configure_subprocess, utils
 
@@ -174,3 +175,70 @@ def test_leaving_nested_routing_restores_the_whole_thread_state() -> None:
         assert tus._C.get_thread_region() == ("vmm", "outer", True, True)
     finally:
         tus._C.restore_thread_region(saved)
+
+
+MiB = 1 << 20
+
+
+def hook_malloc() -> ctypes._CFuncPtr:
+    """The torch hook's entry point, as PyTorch's MemPool calls it (a region's allocations)."""
+    function = ctypes.CDLL(_C.__file__)[_C.MALLOC_SYMBOL]
+    function.restype = ctypes.c_void_p
+    function.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return function
+
+
+def test_new_memory_in_a_paused_tag_is_paused_by_the_next_pause(process, fill, peek) -> None:
+    # torch_memory_saver's semantics, kept for its callers (Note [Allocating in a paused tag] in
+    # allocator.h): under a region set through its C functions, as the compatibility package's
+    # region() sets one, an allocation in a paused tag is active memory; the tag's next pause
+    # pauses it and a resume leaves it alone.
+    driver, _ = process
+    cdll = binary_wrapper.BinaryWrapper(tus.preload_library_path()).cdll
+    malloc = hook_malloc()
+    saved = _C.save_thread_region()
+    try:
+        cdll.tms_set_current_tag(b"compat")
+        cdll.tms_set_interesting_region(True)
+        cdll.tms_set_enable_cpu_backup(True)
+        first = malloc(4 * MiB, 0, None)
+        data = {first: fill(first, 4 * MiB)}
+        assert tus.pause("compat") == 4 * MiB
+        second = malloc(6 * MiB, 0, None)
+        assert second, _C.last_malloc_error()
+        data[second] = fill(second, 6 * MiB)
+        assert driver.used_bytes() == 6 * MiB and tus.is_paused("compat")
+        assert tus.pause("compat") == 6 * MiB  # the next pause pauses it
+        assert driver.used_bytes() == 0
+        assert tus.resume("compat") == 10 * MiB
+        third = malloc(2 * MiB, 0, None)  # the tag is resumed: an ordinary allocation
+        tus.pause("compat")
+        fourth = malloc(2 * MiB, 0, None)
+        data[fourth] = fill(fourth, 2 * MiB)
+        assert tus.resume("compat") == 12 * MiB  # what was paused; the active one is left alone
+        for ptr, expected in data.items():
+            assert peek(ptr, len(expected)) == expected
+    finally:
+        _C.restore_thread_region(saved)
+    for ptr in (first, second, third, fourth):
+        _C.get_allocator(0).free(ptr)
+    assert driver.used_bytes() == 0
+
+
+def test_a_native_region_refuses_allocating_in_a_paused_tag_through_the_hook(process) -> None:
+    # The same entry point under a region of the native API (what tus.region sets) refuses it,
+    # and PyTorch gets null, which it reports as out of memory with our reason.
+    driver, allocator = process
+    first = allocator.malloc(4 * MiB, tag="native", cpu_backup=True)
+    tus.pause("native")
+    saved = _C.save_thread_region()
+    try:
+        _C.set_thread_region("vmm", "native", True)
+        assert hook_malloc()(2 * MiB, 0, None) is None
+        assert "the tag is paused" in _C.last_malloc_error()
+    finally:
+        _C.restore_thread_region(saved)
+    assert driver.used_bytes() == 0
+    assert [s["ptr"] for s in allocator.segments()] == [first]
+    tus.resume("native")
+    allocator.free(first)
