@@ -11,6 +11,8 @@
 #
 # Limits (seconds, environment): TMS_SUITE_TIMEOUT=480 for the whole pytest run,
 # TMS_SUITE_TEST_TIMEOUT=150 for one test (a hanging test fails as TIMEOUT and the rest go on).
+# TMS_SUITE_SELECT: what pytest runs inside the copied test/ folder (default ".", all of it; for
+# example "test_examples.py", the tests that use the library, without the packaging ones).
 set -u
 
 # $OUT relative to the caller's directory, before moving to the repo root.
@@ -121,7 +123,7 @@ echo "running torch_memory_saver's tests from $PEER/test (limit ${TOTAL_TIMEOUT}
 # --continue-on-collection-errors: a test module that fails to import must not stop the others.
 timeout -s INT -k 30 "$TOTAL_TIMEOUT" "$PYTHON" -m pytest -v -rA -p no:cacheprovider \
   -p tms_suite_timeout --continue-on-collection-errors --rootdir "$WORK/tms/test" \
-  --junitxml="$JUNIT" . 2>&1 | tee "$LOG"
+  --junitxml="$JUNIT" ${TMS_SUITE_SELECT:-.} 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 echo "pytest exit status: $rc$([ "$rc" = 124 ] && echo " (stopped at the ${TOTAL_TIMEOUT} s limit)")" \
   | tee -a "$LOG"
