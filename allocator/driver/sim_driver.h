@@ -44,6 +44,7 @@
 
 #include "allocator/driver/driver.h"
 #include "allocator/driver/sim_managed_space.h"
+#include "allocator/fork_guard.h"
 
 namespace tus {
 
@@ -149,6 +150,7 @@ class SimDriver final : public Driver {
       DevicePtr ptr, std::size_t size) const;
 
   mutable std::mutex mutex_;
+  ForkGuard fork_guard_{mutex_, LockRank::kDriver};  // Note [Fork] in fork_guard.h
   const std::size_t capacity_;
   const int device_count_;
   const std::size_t granularity_;
