@@ -28,14 +28,6 @@ CHILD_TIMEOUT_S = 20  # a healthy child takes well under a second
 SLOW_CALL_S = 1.0
 
 
-def wait_for_call(driver, call: str, before: int) -> None:
-    """Returns once `call` was made more than `before` times: a thread is inside it now."""
-    deadline = time.monotonic() + 30
-    while driver.call_counts().get(call, 0) == before:
-        assert time.monotonic() < deadline, f"nobody called {call}"
-        time.sleep(0.001)
-
-
 def run_in_fork(child: Callable[[], None]) -> None:
     """Forks; the child runs `child` and exits. Fails unless the child finished without error."""
     reader, writer = os.pipe()
@@ -104,7 +96,7 @@ def use_the_library_in_the_child(driver) -> None:
     assert tus.memory_stats()["allocated_bytes.tag:child.current"] == 0
 
 
-def test_fork_while_a_thread_pauses(process, pin_ahead_on) -> None:
+def test_fork_while_a_thread_pauses(process, pin_ahead_on, wait_for_call) -> None:
     # The pauser holds the Allocator's lock for the whole pause, made long by its
     # device_synchronize. Without the fork handlers the child inherits that lock held by a thread
     # it does not have, and memory_stats() never returns. The pool's worker sleeps on its
@@ -127,7 +119,7 @@ def test_fork_while_a_thread_pauses(process, pin_ahead_on) -> None:
     assert ctypes.string_at(ptr, 8 * MiB) == b"\x05" * (8 * MiB)
 
 
-def test_fork_while_the_pool_worker_pins(process, pin_ahead_on) -> None:
+def test_fork_while_the_pool_worker_pins(process, pin_ahead_on, wait_for_call) -> None:
     # Note [Pinning ahead]: the worker is half way through a pin at the fork. The child has no
     # worker; without the child handler its pool waited for that pin to land for ever.
     driver, allocator = process

@@ -125,15 +125,9 @@ def test_stats_readers_alongside_pausers(driver, allocator, consistent) -> None:
 PAUSE_DELAY_S = 0.5  # how long the simulated driver makes every pause (Note [Slow calls])
 
 
-def wait_for_call(driver, call: str, before: int) -> None:
-    """Returns once `call` was made more than `before` times: the caller is inside it now."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while driver.call_counts().get(call, 0) == before:
-        assert time.monotonic() < deadline, f"nobody called {call}"
-        time.sleep(0.001)
-
-
-def test_waiting_for_a_pause_does_not_freeze_other_python_threads(driver, allocator) -> None:
+def test_waiting_for_a_pause_does_not_freeze_other_python_threads(
+    driver, allocator, wait_for_call
+) -> None:
     # Issue 15, item 18: the pause is made long by the simulated driver, not by copying enough
     # bytes to take a while here, so stats() always waits for it and the check always runs.
     ptr = allocator.malloc(8 * MiB, tag="big", cpu_backup=True)
