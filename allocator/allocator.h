@@ -56,6 +56,8 @@
 // while its copies run, so a malloc on another thread waits for the pause). Private *_locked
 // helpers assume it is held. The host buffer pool has a lock of its own, taken after this one,
 // never before (Note [Pinning ahead] in residency/host_buffer_pool.h). Nothing here calls Python.
+// A fork() waits for the calls in progress to leave their locked sections (Note [Fork] in
+// fork_guard.h), so a forked child finds every lock free and the state whole.
 #pragma once
 
 #include <cstddef>
@@ -72,6 +74,7 @@
 #include "allocator/caching/block_cache.h"
 #include "allocator/driver/driver.h"
 #include "allocator/errors.h"
+#include "allocator/fork_guard.h"
 #include "allocator/region_config.h"
 #include "allocator/residency/copy_engine.h"
 #include "allocator/residency/disk_backup.h"
@@ -270,6 +273,7 @@ class Allocator final : private SegmentSource {
   std::string memory_report_locked();
 
   mutable std::mutex mutex_;
+  ForkGuard fork_guard_{mutex_, LockRank::kAllocator};  // Note [Fork] in fork_guard.h
   std::shared_ptr<Driver> driver_;
   const int device_;
   VmmBacking vmm_;

@@ -19,7 +19,7 @@ void Allocator::make_room_for_page_in_locked(Segment& segment) {
   if (segment.lms.state != LmsState::kReclaimed) return;
   // The page-in maps memory too: it keeps to the limit like an allocation.
   const std::size_t out = segment.on_managed_memory()
-                              ? managed_bytes_at(segment, MemLocation::Kind::kHost)
+                              ? managed_bytes_at(segment, MemLocation::host())
                               : segment.size - segment.resident_bytes();
   make_room_for_lms_locked(out, segment.tag, true);
 }

@@ -29,6 +29,7 @@
 
 #include "allocator/allocator.h"
 #include "allocator/driver/driver.h"
+#include "allocator/fork_guard.h"
 
 namespace tus {
 
@@ -91,6 +92,7 @@ class Registry {
   void apply_disk_settings_locked();
 
   std::mutex mutex_;
+  ForkGuard fork_guard_{mutex_, LockRank::kRegistry};  // Note [Fork] in fork_guard.h
   std::shared_ptr<Driver> driver_;
   AllocatorOptions options_;
   std::optional<DiskBackupSettings> disk_settings_;  // set by the setters; else each allocator's

@@ -33,10 +33,11 @@ struct Chunk {
 struct ManagedState {
   static constexpr std::size_t kPageBytes = 2 * kMiB;
 
-  ManagedAdvice advice;                  // as applied at allocation, the allocating device resolved
-  std::vector<MemLocation::Kind> pages;  // tracked location of each 2 MiB page
-  std::uint64_t last_use = 0;            // LRU tick of the device budget
-  bool evicted = false;                  // the budget moved it to the host with host-side advice
+  ManagedAdvice advice;  // as applied at allocation, the allocating device resolved
+  int device = 0;        // the allocating device: its pages are this allocator's device memory
+  std::vector<MemLocation> pages;  // tracked location of each 2 MiB page: host, or which GPU
+  std::uint64_t last_use = 0;      // LRU tick of the device budget
+  bool evicted = false;            // the budget moved it to the host with host-side advice
 };
 
 // Large Model Support state of an `lms` segment (residency/lms_residency.h).

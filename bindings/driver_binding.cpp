@@ -91,9 +91,10 @@ void bind_drivers(py::module_& module) {
            py::call_guard<py::gil_scoped_release>(),
            "While held, copies on the allocator's own streams stay in flight (Note [Held "
            "copies] in sim_driver.h): unmapping their memory fails, as it faults on a GPU.")
-      .def("set_host_alloc_delay", &SimDriver::set_host_alloc_delay, py::arg("seconds"),
+      .def("set_call_delay", &SimDriver::set_call_delay, py::arg("call"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>(),
-           "Make every host_alloc_pinned take this long (tests of who waits for pinning).")
+           "Make every call of `call` ('*': any) take `seconds` longer, counted first and slow "
+           "outside the driver's lock (Note [Slow calls] in sim_driver.h); 0 removes it.")
       .def_property_readonly("capacity", &SimDriver::capacity_bytes);
 }
 

@@ -171,9 +171,11 @@ class SimDriver(Driver):
     def mapped_ranges(self) -> int: ...
     def pinned_host_bytes(self) -> int: ...
     def reset_call_counts(self) -> None: ...
-    def set_host_alloc_delay(self, seconds: typing.SupportsFloat | typing.SupportsIndex) -> None:
+    def set_call_delay(
+        self, call: str, seconds: typing.SupportsFloat | typing.SupportsIndex
+    ) -> None:
         """
-        Make every host_alloc_pinned take this long (tests of who waits for pinning).
+        Make every call of `call` ('*': any) take `seconds` longer, counted first and slow outside the driver's lock (Note [Slow calls] in sim_driver.h); 0 removes it.
         """
     def used_bytes(self, device: typing.SupportsInt | typing.SupportsIndex = 0) -> int: ...
     @property

@@ -12,8 +12,9 @@ for backups; ``host_pinned_ahead_bytes``, ``host_pin_ahead_failures`` and
 and the counters ``pause_buffer_hits`` / ``pause_buffer_misses`` how many buffers each scope's
 pauses found ready or had to pin themselves.
 
-Managed memory adds ``managed_bytes``, ``managed_device_bytes`` and ``managed_host_bytes`` (where
-our prefetches last placed it; its ``reserved_bytes`` are the device-placed ones),
+Managed memory adds ``managed_bytes``, ``managed_device_bytes``, ``managed_peer_bytes`` and
+``managed_host_bytes`` (where our prefetches last placed it: this device, another GPU, the host; its
+``reserved_bytes`` are the ones on this device),
 ``prefetch_to_{device,host}_{bytes,seconds}`` (seconds of device time, from CUDA events),
 ``num_prefetch_skipped``, ``num_budget_evictions``, ``budget_eviction_bytes`` and
 ``num_managed_refusals``. The global hook mode adds ``block_bytes`` (tensors handed to PyTorch;

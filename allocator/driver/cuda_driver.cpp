@@ -192,7 +192,12 @@ const CudaApi& CudaDriver::api() {
                     "); a driver for CUDA 12 or newer is required.";
       return;
     }
-    const CUresult init = api->cuInit(0);
+    CUresult init;
+    {
+      // It may fork() nvidia-modprobe, and this may run under the Registry's lock (Note [Fork]).
+      const ForkGuard::Unguarded forks_to_exec;
+      init = api->cuInit(0);
+    }
     if (init != CUDA_SUCCESS) {
       load_error_ = "cuInit failed: " + error_name(*api, init);
       return;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "allocator/driver/driver.h"
+#include "allocator/fork_guard.h"
 
 namespace tus {
 
@@ -70,6 +71,7 @@ class CudaDriver final : public Driver {
   std::unique_ptr<CudaApi> api_;
   std::string load_error_;
   std::mutex context_mutex_;
+  ForkGuard fork_guard_{context_mutex_, LockRank::kDriver};  // Note [Fork] in fork_guard.h
   static constexpr int kMaxDevices = 64;
   void* primary_contexts_[kMaxDevices] = {};
   std::size_t granularity_[kMaxDevices] = {};

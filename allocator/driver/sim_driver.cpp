@@ -102,6 +102,33 @@ void SimDriver::check_device_locked(int device) const {
   }
 }
 
+void SimDriver::set_call_delay(const std::string& call, double seconds) {
+  if (!(seconds >= 0.0)) {
+    TUS_THROW(InvalidArgument, "set_call_delay: seconds must be >= 0, got " << seconds);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (seconds == 0.0) {
+    delays_.erase(call);
+  } else {
+    delays_[call] = seconds;
+  }
+}
+
+std::unique_lock<std::mutex> SimDriver::enter(const char* call, int device) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  enter_locked(call, device);
+  auto delay = delays_.find(call);
+  if (delay == delays_.end()) delay = delays_.find("*");
+  if (delay != delays_.end()) {
+    // Note [Slow calls]: counted already, slow outside the lock, and then done as usual.
+    const auto seconds = std::chrono::duration<double>(delay->second);
+    lock.unlock();
+    std::this_thread::sleep_for(seconds);
+    lock.lock();
+  }
+  return lock;
+}
+
 void SimDriver::enter_locked(const char* call, int device) {
   ++calls_[call];
   for (auto it = faults_.begin(); it != faults_.end(); ++it) {
@@ -129,26 +156,22 @@ void SimDriver::charge_locked(int device, std::size_t size, const char* call) {
 }
 
 int SimDriver::device_count() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("device_count", kNoDevice);
+  auto lock = enter("device_count", kNoDevice);
   return device_count_;
 }
 
 MemInfo SimDriver::mem_get_info(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_get_info", device);
+  auto lock = enter("mem_get_info", device);
   return MemInfo{capacity_ - used_[static_cast<std::size_t>(device)], capacity_};
 }
 
 std::size_t SimDriver::granularity(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("granularity", device);
+  auto lock = enter("granularity", device);
   return granularity_;
 }
 
 DevicePtr SimDriver::reserve_address(int device, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("reserve_address", device);
+  auto lock = enter("reserve_address", device);
   if (size == 0 || size % granularity_ != 0) {
     fail("reserve_address", kInvalidValue,
          "size " + std::to_string(size) +
@@ -182,8 +205,7 @@ std::map<DevicePtr, std::size_t>::const_iterator SimDriver::reservation_containi
 }
 
 void SimDriver::free_address(int device, DevicePtr ptr, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("free_address", device);
+  auto lock = enter("free_address", device);
   auto it = reservations_.find(ptr);
   if (it == reservations_.end() || it->second != size) {
     fail("free_address", kInvalidValue, "not a reservation of that size");
@@ -197,8 +219,7 @@ void SimDriver::free_address(int device, DevicePtr ptr, std::size_t size) {
 }
 
 PhysHandle SimDriver::create_physical(int device, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("create_physical", device);
+  auto lock = enter("create_physical", device);
   if (size == 0 || size % granularity_ != 0) {
     fail("create_physical", kInvalidValue, "size is not a multiple of the granularity");
   }
@@ -224,8 +245,7 @@ void SimDriver::drop_physical_if_unused_locked(PhysHandle handle) {
 }
 
 void SimDriver::release_physical(int device, PhysHandle handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("release_physical", device);
+  auto lock = enter("release_physical", device);
   auto it = physicals_.find(handle);
   if (it == physicals_.end() || it->second.released) {
     fail("release_physical", kInvalidValue, "unknown or already released handle");
@@ -235,8 +255,7 @@ void SimDriver::release_physical(int device, PhysHandle handle) {
 }
 
 void SimDriver::map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("map", device);
+  auto lock = enter("map", device);
   auto physical = physicals_.find(handle);
   if (physical == physicals_.end() || physical->second.released || physical->second.size != size) {
     fail("map", kInvalidValue, "unknown handle or size mismatch");
@@ -260,8 +279,7 @@ void SimDriver::map(int device, DevicePtr ptr, std::size_t size, PhysHandle hand
 }
 
 void SimDriver::unmap(int device, DevicePtr ptr, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("unmap", device);
+  auto lock = enter("unmap", device);
   for (const CopyInFlight& copy : copies_in_flight_) {
     if (copy.ptr < ptr + size && ptr < copy.ptr + copy.size) {
       fail("unmap", kLaunchFailed, "a copy still in flight uses this memory (Note [Held copies])");
@@ -282,8 +300,7 @@ void SimDriver::unmap(int device, DevicePtr ptr, std::size_t size) {
 }
 
 void SimDriver::set_access(int device, DevicePtr ptr, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("set_access", device);
+  auto lock = enter("set_access", device);
   auto it = mappings_.find(ptr);
   if (it == mappings_.end() || it->second.size != size) {
     fail("set_access", kInvalidValue, "range does not match one mapping");
@@ -291,8 +308,7 @@ void SimDriver::set_access(int device, DevicePtr ptr, std::size_t size) {
 }
 
 DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_alloc", device);
+  auto lock = enter("mem_alloc", device);
   const std::size_t page = static_cast<std::size_t>(getpagesize());
   // More than any device has, as CUDA says of it, before the page rounding wraps.
   if (size > SIZE_MAX - page) {
@@ -310,8 +326,7 @@ DevicePtr SimDriver::mem_alloc(int device, std::size_t size) {
 }
 
 DevicePtr SimDriver::mem_alloc_managed(int device, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_alloc_managed", device);
+  auto lock = enter("mem_alloc_managed", device);
   const DevicePtr ptr = managed_.allocate(device, size);
   if (ptr == 0) fail("mem_alloc_managed", kOutOfMemoryCode, system_error("mmap"));
   return ptr;
@@ -319,8 +334,7 @@ DevicePtr SimDriver::mem_alloc_managed(int device, std::size_t size) {
 
 void SimDriver::mem_advise(int device, DevicePtr ptr, std::size_t size, Advice advice,
                            MemLocation location) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_advise", device);
+  auto lock = enter("mem_advise", device);
   if (!managed_.covers(ptr, size)) fail("mem_advise", kInvalidValue, "not managed memory");
   const bool needs_location =
       advice == Advice::kSetPreferredLocation || advice == Advice::kSetAccessedBy;
@@ -331,8 +345,7 @@ void SimDriver::mem_advise(int device, DevicePtr ptr, std::size_t size, Advice a
 
 void SimDriver::mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLocation location,
                              StreamHandle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_prefetch", device);
+  auto lock = enter("mem_prefetch", device);
   if (!managed_.covers(ptr, size)) fail("mem_prefetch", kInvalidValue, "not managed memory");
   if (location.is_none()) fail("mem_prefetch", kInvalidValue, "no location");
   if (location.kind == MemLocation::Kind::kDevice) check_device_locked(location.device);
@@ -340,21 +353,18 @@ void SimDriver::mem_prefetch(int device, DevicePtr ptr, std::size_t size, MemLoc
 }
 
 RangeAttributes SimDriver::range_attributes(int device, DevicePtr ptr, std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("range_attributes", device);
+  auto lock = enter("range_attributes", device);
   if (!managed_.covers(ptr, size)) fail("range_attributes", kInvalidValue, "not managed memory");
   return managed_.attributes(ptr, size);
 }
 
 bool SimDriver::is_managed(int device, DevicePtr ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("is_managed", device);
+  auto lock = enter("is_managed", device);
   return managed_.contains(ptr);
 }
 
 void SimDriver::mem_free(int device, DevicePtr ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("mem_free", device);
+  auto lock = enter("mem_free", device);
   if (managed_.release(ptr)) return;
   auto it = plain_allocations_.find(ptr);
   if (it == plain_allocations_.end()) fail("mem_free", kInvalidValue, "not an allocation");
@@ -363,20 +373,8 @@ void SimDriver::mem_free(int device, DevicePtr ptr) {
   plain_allocations_.erase(it);
 }
 
-void SimDriver::set_host_alloc_delay(double seconds) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  host_alloc_delay_s_ = seconds;
-}
-
 void* SimDriver::host_alloc_pinned(int device, std::size_t size) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  enter_locked("host_alloc_pinned", device);
-  if (host_alloc_delay_s_ > 0.0) {
-    const auto delay = std::chrono::duration<double>(host_alloc_delay_s_);
-    lock.unlock();
-    std::this_thread::sleep_for(delay);
-    lock.lock();
-  }
+  auto lock = enter("host_alloc_pinned", device);
   void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (ptr == MAP_FAILED) fail("host_alloc_pinned", kOutOfMemoryCode, system_error("mmap"));
   pinned_[ptr] = size;
@@ -384,8 +382,7 @@ void* SimDriver::host_alloc_pinned(int device, std::size_t size) {
 }
 
 void SimDriver::host_free_pinned(int device, void* ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("host_free_pinned", device);
+  auto lock = enter("host_free_pinned", device);
   auto it = pinned_.find(ptr);
   if (it == pinned_.end()) fail("host_free_pinned", kInvalidValue, "not a pinned allocation");
   munmap(ptr, it->second);
@@ -393,38 +390,32 @@ void SimDriver::host_free_pinned(int device, void* ptr) {
 }
 
 StreamHandle SimDriver::stream_create(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("stream_create", device);
+  auto lock = enter("stream_create", device);
   auto stream = reinterpret_cast<StreamHandle>(next_object_++);
   own_streams_.push_back(stream);
   return stream;
 }
 
 void SimDriver::stream_destroy(int device, StreamHandle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("stream_destroy", device);
+  auto lock = enter("stream_destroy", device);
 }
 
 void SimDriver::stream_synchronize(int device, StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("stream_synchronize", device);
+  auto lock = enter("stream_synchronize", device);
   complete_copies_locked(stream, copy_order_);
 }
 
 EventHandle SimDriver::event_create(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_create", device);
+  auto lock = enter("event_create", device);
   return reinterpret_cast<EventHandle>(next_object_++);
 }
 
 void SimDriver::event_destroy(int device, EventHandle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_destroy", device);
+  auto lock = enter("event_destroy", device);
 }
 
 void SimDriver::event_record(int device, EventHandle event, StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_record", device);
+  auto lock = enter("event_record", device);
   held_events_.erase(event);
   const bool behind_a_copy =
       std::any_of(copies_in_flight_.begin(), copies_in_flight_.end(),
@@ -433,20 +424,17 @@ void SimDriver::event_record(int device, EventHandle event, StreamHandle stream)
 }
 
 EventHandle SimDriver::event_create_timed(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_create_timed", device);
+  auto lock = enter("event_create_timed", device);
   return reinterpret_cast<EventHandle>(next_object_++);
 }
 
 float SimDriver::event_elapsed_ms(int device, EventHandle, EventHandle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_elapsed_ms", device);
+  auto lock = enter("event_elapsed_ms", device);
   return 0.0f;  // synchronous streams: work has taken no time by the time it is queried
 }
 
 bool SimDriver::event_query(int device, EventHandle event) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_query", device);
+  auto lock = enter("event_query", device);
   // Streams are synchronous: recorded events are complete unless held.
   return !events_held_ && held_events_.count(event) == 0;
 }
@@ -484,20 +472,17 @@ void SimDriver::complete_copies_locked(StreamHandle stream, std::uint64_t throug
 }
 
 void SimDriver::event_synchronize(int device, EventHandle event) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("event_synchronize", device);
+  auto lock = enter("event_synchronize", device);
   auto it = held_events_.find(event);
   if (it != held_events_.end()) complete_copies_locked(it->second.stream, it->second.order);
 }
 
 void SimDriver::stream_wait_event(int device, StreamHandle, EventHandle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("stream_wait_event", device);  // synchronous streams: nothing to wait for
+  auto lock = enter("stream_wait_event", device);  // synchronous streams: nothing to wait for
 }
 
 void SimDriver::device_synchronize(int device) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("device_synchronize", device);
+  auto lock = enter("device_synchronize", device);
   events_held_ = false;
   copies_in_flight_.clear();
   held_events_.clear();
@@ -518,8 +503,7 @@ bool inside_one(const Map& ranges, DevicePtr ptr, std::size_t size, SizeOf size_
 
 void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::size_t size,
                                     StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("copy_device_to_host", device);
+  auto lock = enter("copy_device_to_host", device);
   const bool valid =
       inside_one(mappings_, src, size, [](const Mapping& m) { return m.size; }) ||
       inside_one(plain_allocations_, src, size, [](const auto& entry) { return entry.second; }) ||
@@ -531,8 +515,7 @@ void SimDriver::copy_device_to_host(int device, void* dst, DevicePtr src, std::s
 
 void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
                                     StreamHandle stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  enter_locked("copy_host_to_device", device);
+  auto lock = enter("copy_host_to_device", device);
   const bool valid =
       inside_one(mappings_, dst, size, [](const Mapping& m) { return m.size; }) ||
       inside_one(plain_allocations_, dst, size, [](const auto& entry) { return entry.second; }) ||

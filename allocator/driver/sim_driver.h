@@ -25,6 +25,14 @@
 //  GPU, where the copy engine hits an unmapped address and the context is lost.
 //  - Fault injection: fail_on("unmap", 3) makes the 3rd unmap from now throw, as a driver error
 //    would. "*" counts calls of every function.
+//
+// Note [Slow calls]
+//  set_call_delay("device_synchronize", 0.5) makes every such call take half a second longer, so
+//  a test of who waits for whom (a pause that stalls nothing else, a fork while a thread is inside
+//  the allocator, a pause waiting for a slow pin) sees a long call on any machine, however fast.
+//  The call is counted first (call_counts() shows that a thread is inside it), then sleeps with
+//  the driver's lock released, as a slow driver call blocks its caller and not other threads'
+//  calls, and then does its work. An injected fault fires before the delay.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +44,7 @@
 
 #include "allocator/driver/driver.h"
 #include "allocator/driver/sim_managed_space.h"
+#include "allocator/fork_guard.h"
 
 namespace tus {
 
@@ -64,9 +73,9 @@ class SimDriver final : public Driver {
   void hold_events(bool held);
   // Note [Held copies].
   void hold_copies(bool held);
-  // host_alloc_pinned takes this long (outside the driver's lock, as a slow pin does not stop
-  // other calls), so tests can see who waits for pinning without timing real work.
-  void set_host_alloc_delay(double seconds);
+  // Note [Slow calls]: every call of `call` ("*": of any function without a delay of its own)
+  // takes `seconds` longer; 0 removes the delay. Negative seconds throw InvalidArgument.
+  void set_call_delay(const std::string& call, double seconds);
 
   std::string name() const override { return "sim"; }
   int device_count() override;
@@ -128,6 +137,9 @@ class SimDriver final : public Driver {
     int error_code;
   };
 
+  // Every Driver method starts here: takes mutex_, enter_locked(), then the call's delay (Note
+  // [Slow calls]); returns with mutex_ held.
+  std::unique_lock<std::mutex> enter(const char* call, int device);
   // Counts the call, fires a pending fault, validates `device` (every value but the "no device"
   // marker of device_count, negative ones included). Caller holds mutex_.
   void enter_locked(const char* call, int device);
@@ -138,6 +150,7 @@ class SimDriver final : public Driver {
       DevicePtr ptr, std::size_t size) const;
 
   mutable std::mutex mutex_;
+  ForkGuard fork_guard_{mutex_, LockRank::kDriver};  // Note [Fork] in fork_guard.h
   const std::size_t capacity_;
   const int device_count_;
   const std::size_t granularity_;
@@ -149,7 +162,7 @@ class SimDriver final : public Driver {
   std::map<void*, std::size_t> pinned_;
   SimManagedSpace managed_;
   bool events_held_ = false;
-  double host_alloc_delay_s_ = 0.0;
+  std::map<std::string, double> delays_;  // Note [Slow calls]: call -> seconds
   // Note [Held copies]
   struct CopyInFlight {
     StreamHandle stream;

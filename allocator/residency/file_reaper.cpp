@@ -65,6 +65,13 @@ void FileReaper::run() noexcept {
   idle_.notify_all();
 }
 
+void FileReaper::forget_thread_in_child() {
+  rebuild_in_child(thread_);
+  rebuild_in_child(idle_);
+  queue_.clear();  // the parent's thread removes them
+  running_ = false;
+}
+
 void FileReaper::settle() noexcept {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [this] { return !running_; });

@@ -15,6 +15,8 @@
 #include <string>
 #include <thread>
 
+#include "allocator/fork_guard.h"
+
 namespace tus {
 
 class FileReaper {
@@ -30,6 +32,8 @@ class FileReaper {
 
  private:
   void run() noexcept;
+  // Note [Fork]: in a child, the thread and the files it was removing are the parent's.
+  void forget_thread_in_child();
 
   std::mutex mutex_;
   std::condition_variable idle_;
@@ -37,6 +41,7 @@ class FileReaper {
   bool running_ = false;
   std::thread thread_;
   std::uint64_t renamed_ = 0;
+  ForkGuard fork_guard_{mutex_, LockRank::kResidency, [this] { forget_thread_in_child(); }};
 };
 
 }  // namespace tus

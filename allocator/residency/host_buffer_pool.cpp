@@ -230,6 +230,15 @@ std::size_t HostBufferPool::pending_bytes_locked() const {
   return bytes;
 }
 
+void HostBufferPool::forget_worker_in_child() {
+  // The pin in flight never lands here, so nothing waits for it; the demand stays, and the next
+  // expect() starts a worker of the child's own.
+  rebuild_in_child(worker_);
+  rebuild_in_child(changed_);
+  pinning_ = 0;
+  stalled_ = false;
+}
+
 void HostBufferPool::run_worker() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {

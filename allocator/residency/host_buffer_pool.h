@@ -45,6 +45,7 @@
 #include <thread>
 
 #include "allocator/driver/driver.h"
+#include "allocator/fork_guard.h"
 #include "allocator/residency/host_buffer.h"
 
 namespace tus {
@@ -96,6 +97,8 @@ class HostBufferPool {
   static constexpr std::size_t kRounding = 2u << 20;
 
   void run_worker();
+  // Note [Fork]: in a child, the worker and the pin it may be in are the parent's.
+  void forget_worker_in_child();
   // A size with more expected than idle or in-flight buffers, or 0.
   std::size_t next_to_pin_locked() const;
   std::size_t pending_bytes_locked() const;
@@ -116,6 +119,7 @@ class HostBufferPool {
   bool stopping_ = false;
   std::thread worker_;  // started at the first expect()
   HostPoolCounters counters_;
+  ForkGuard fork_guard_{mutex_, LockRank::kResidency, [this] { forget_worker_in_child(); }};
 };
 
 }  // namespace tus

@@ -78,7 +78,8 @@ MemLocation ManagedResidency::home_of(const Segment& segment) const {
 void ManagedResidency::admit(Segment& segment, StreamHandle stream) {
   const std::size_t pages = segment.size / ManagedState::kPageBytes +
                             (segment.size % ManagedState::kPageBytes != 0 ? 1 : 0);
-  segment.managed.pages.assign(pages, MemLocation::Kind::kNone);
+  segment.managed.pages.assign(pages, MemLocation::none());
+  segment.managed.device = device_;
   segment.managed.last_use = ++clock_;
   process_total_ += segment.size;
   // First touch by a GPU fault is far slower than a prefetch that populates (ARCHITECTURE.md,
@@ -128,7 +129,7 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
   // A page needs the prefetch unless the range covers all of it and it already sits at `to`.
   auto needed = [&](std::size_t i) {
     const bool whole = ptr <= page_start(i) && page_end(i) <= ptr + size;
-    return !whole || segment.managed.pages[i] != to.kind;
+    return !whole || segment.managed.pages[i] != to;
   };
   const Footprint before = footprint(segment);
   std::size_t scheduled = 0;
@@ -149,7 +150,7 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
         driver_.event_record(device_, start, stream);
       }
       driver_.mem_prefetch(device_, from, until - from, to, stream);
-      for (std::size_t k = i; k <= j; ++k) segment.managed.pages[k] = to.kind;
+      for (std::size_t k = i; k <= j; ++k) segment.managed.pages[k] = to;
       scheduled += until - from;
       i = j + 1;
     }
@@ -186,8 +187,8 @@ std::size_t ManagedResidency::prefetch(Segment* segment, DevicePtr ptr, std::siz
     driver_.mem_prefetch(device_, ptr, size, to, stream);
     return size;
   }
-  const bool to_device = to.kind == MemLocation::Kind::kDevice;
-  if (to_device) {
+  // A use of this device (Note [Device budget]); moving pages to another GPU is none.
+  if (to == MemLocation::on_device(device_)) {
     segment->managed.last_use = ++clock_;
     if (segment->managed.evicted) {
       readmit(*segment, stream);
@@ -203,8 +204,8 @@ void ManagedResidency::touch(Segment& segment, StreamHandle stream) {
 }
 
 void ManagedResidency::evict(Segment& segment, StreamHandle stream) {
-  const std::size_t before = managed_bytes_at(segment, MemLocation::Kind::kDevice);
   const MemLocation device = MemLocation::on_device(device_);
+  const std::size_t before = managed_bytes_at(segment, device);
   driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kSetPreferredLocation,
                      MemLocation::host());
   driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kSetAccessedBy, device);
@@ -248,7 +249,9 @@ void ManagedResidency::enforce_budget(const std::vector<Segment*>& managed_segme
   std::vector<Segment*> candidates;
   for (Segment* segment : managed_segments) {
     if (segment == just_used) continue;
-    if (managed_bytes_at(*segment, MemLocation::Kind::kDevice) > 0) candidates.push_back(segment);
+    if (managed_bytes_at(*segment, MemLocation::on_device(device_)) > 0) {
+      candidates.push_back(segment);
+    }
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
     return a->managed.last_use < b->managed.last_use;

@@ -17,7 +17,10 @@
 //
 // Note [Tracked residency]
 //  The driver does not say where each page of a range is, only where it was last prefetched.
-//  We keep a location per 2 MiB page of each segment as our own prefetches left it. Pages the
+//  We keep a location per 2 MiB page of each segment as our own prefetches left it: the host or
+//  which GPU, so that a prefetch to a second GPU moves pages sitting on the first. Pages on the
+//  allocating device count as its managed_device_bytes (and reserved_bytes), pages on other GPUs
+//  as managed_peer_bytes: neither the budget nor the guard counts them for this device. Pages the
 //  driver migrates on a fault are not seen, so tracking can be wrong, but only ever costs speed:
 //  a skipped prefetch of pages a fault had moved away leaves the GPU to fault them back. Pages a
 //  range covers only in part are always prefetched, so a small tensor sharing a page with another
@@ -25,14 +28,15 @@
 //
 // Note [Device budget]
 //  set_budget(bytes) keeps the managed bytes placed on the device under the budget. Every
-//  allocation and every prefetch to the device is a "use" of its segment (an LRU tick); when the
-//  tracked device bytes pass the budget, the least recently used segments other than the one just
-//  used are evicted: advised to prefer the host and to be accessed by the device, then prefetched
-//  to the host. With that advice a kernel reading an evicted segment reads it over the link
-//  instead of migrating it back, so the device really keeps to the budget. The next use of the
-//  segment (a cached block handed out again, a prefetch to the device) re-admits it: its own
-//  advice is restored and it is prefetched back. Eviction needs no synchronization: migrating
-//  managed memory under a running kernel is safe, the driver keeps it coherent.
+//  allocation and every prefetch to the device (this allocator's; a move to another GPU is not
+//  one) is a "use" of its segment (an LRU tick); when the tracked device bytes pass the budget,
+//  the least recently used segments other than the one just used are evicted: advised to prefer
+//  the host and to be accessed by the device, then prefetched to the host. With that advice a
+//  kernel reading an evicted segment reads it over the link instead of migrating it back, so the
+//  device really keeps to the budget. The next use of the segment (a cached block handed out
+//  again, a prefetch to the device) re-admits it: its own advice is restored and it is
+//  prefetched back. Eviction needs no synchronization: migrating managed memory under a running
+//  kernel is safe, the driver keeps it coherent.
 //
 // Not thread-safe: the Allocator calls it under its mutex.
 #pragma once

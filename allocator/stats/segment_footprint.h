@@ -13,14 +13,21 @@
 
 namespace tus {
 
-// Tracked bytes of a managed segment at `kind` (pages are 2 MiB, the last one may be short).
-inline std::size_t managed_bytes_at(const Segment& segment, MemLocation::Kind kind) {
+// Tracked bytes of a managed segment whose location satisfies `where` (pages are 2 MiB, the last
+// one may be short).
+template <typename Predicate>
+std::size_t managed_bytes_where(const Segment& segment, Predicate where) {
   std::size_t bytes = 0;
   const std::size_t page = ManagedState::kPageBytes;
   for (std::size_t i = 0; i < segment.managed.pages.size(); ++i) {
-    if (segment.managed.pages[i] == kind) bytes += std::min(page, segment.size - i * page);
+    if (where(segment.managed.pages[i])) bytes += std::min(page, segment.size - i * page);
   }
   return bytes;
+}
+
+// Tracked bytes of a managed segment at `location`.
+inline std::size_t managed_bytes_at(const Segment& segment, const MemLocation& location) {
+  return managed_bytes_where(segment, [&](const MemLocation& at) { return at == location; });
 }
 
 inline Footprint footprint(const Segment& segment) {
@@ -29,14 +36,18 @@ inline Footprint footprint(const Segment& segment) {
   print.requested_bytes = static_cast<std::int64_t>(segment.requested);
   print.segment = 1;
   if (segment.on_managed_memory()) {
-    const auto on_device =
-        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kDevice));
-    const auto on_host =
-        static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::Kind::kHost));
+    const MemLocation own = MemLocation::on_device(segment.managed.device);
+    const auto on_device = static_cast<std::int64_t>(managed_bytes_at(segment, own));
+    const auto on_peers =
+        static_cast<std::int64_t>(managed_bytes_where(segment, [&](const MemLocation& at) {
+          return at.kind == MemLocation::Kind::kDevice && at != own;
+        }));
+    const auto on_host = static_cast<std::int64_t>(managed_bytes_at(segment, MemLocation::host()));
     print.reserved_bytes = on_device;  // device memory it holds, as far as our prefetches know
     print.active_bytes = print.allocated_bytes;
     print.managed_bytes = print.allocated_bytes;
     print.managed_device_bytes = on_device;
+    print.managed_peer_bytes = on_peers;
     print.managed_host_bytes = on_host;
     if (segment.mode == Mode::kLms) {
       // An lms block on managed memory is reclaimed when it was paged out (prefetched to the

@@ -18,6 +18,7 @@
   X(segment, "segments handed to the client")                                           \
   X(managed_bytes, "allocated bytes of managed memory")                                 \
   X(managed_device_bytes, "managed bytes our prefetches last placed on the device")     \
+  X(managed_peer_bytes, "managed bytes our prefetches last placed on another GPU")      \
   X(managed_host_bytes, "managed bytes our prefetches last placed on the host")         \
   X(pinned, "lms segments pinned (in use: never reclaimed)")                            \
   X(pinned_bytes, "bytes of pinned lms segments")                                       \

@@ -173,6 +173,44 @@ def prefetch_changes_residency_on_gpu() -> None:
 
 
 @scenario
+def prefetch_to_a_second_gpu_moves_the_pages() -> None:
+    # Issue 15, item 9: tracking recorded "on a GPU", not which, so after a prefetch to the first
+    # GPU one to the second was skipped (returned 0) and the pages stayed where they were.
+    import torch
+
+    import torch_uvm_saver as tus
+
+    if torch.cuda.device_count() < 2:
+        print("SKIP: needs two GPUs")
+        return
+    size = 256 * MiB
+    with tus.region("two", mode="managed"):
+        x = torch.ones(size, dtype=torch.uint8, device="cuda:0")
+    assert tus.prefetch(x, "cuda:0") == 0  # populated there at allocation
+    assert tus.prefetch(x, "cuda:1") == size
+    torch.cuda.synchronize(0)
+    attributes = tus.memory_attributes(x)
+    print(attributes)
+    assert attributes["last_prefetch_location"] == "cuda:1"
+    stats = tus.memory_stats(0)
+    assert stats["managed_peer_bytes.tag:two.current"] == size
+    assert stats["managed_device_bytes.tag:two.current"] == 0
+    assert stats["reserved_bytes.tag:two.current"] == 0
+    assert tus.prefetch(x, "cuda:1") == 0  # there now
+    with torch.cuda.device(1):
+        on_second = tus.to(x, "cuda:1")  # the same bytes, read by the second GPU
+        assert int(on_second.sum()) == size
+        on_second.add_(1)
+        torch.cuda.synchronize(1)
+    del on_second
+    assert tus.prefetch(x, "cuda:0") == size  # and back
+    torch.cuda.synchronize(0)
+    assert tus.memory_attributes(x)["last_prefetch_location"] == "cuda:0"
+    assert int(x.sum()) == 2 * size
+    assert tus.memory_stats(0)["managed_device_bytes.tag:two.current"] == size
+
+
+@scenario
 def uvm_mode_moves_instead_of_copying() -> None:
     import torch
 

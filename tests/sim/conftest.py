@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Iterator
 from typing import Callable
 
@@ -109,6 +110,20 @@ def peek() -> Callable[[int, int], bytes]:
 @pytest.fixture
 def consistent() -> Callable[[_C.Allocator], dict[str, float]]:
     return assert_consistent
+
+
+def wait_until_called(driver: _C.SimDriver, call: str, before: int) -> None:
+    """Returns once `call` was made more than `before` times. With the call made slow
+    (SimDriver.set_call_delay), the thread that made it is inside it now."""
+    deadline = time.monotonic() + 60
+    while driver.call_counts().get(call, 0) == before:
+        assert time.monotonic() < deadline, f"nobody called {call}"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def wait_for_call() -> Callable[[_C.SimDriver, str, int], None]:
+    return wait_until_called
 
 
 @pytest.fixture

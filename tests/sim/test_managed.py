@@ -5,6 +5,7 @@ device budget, statistics, and driver failures in the middle of each."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -104,6 +105,54 @@ def test_prefetch_of_part_of_a_page_is_never_skipped(allocator) -> None:
     assert allocator.prefetch(ptr + 4096, 4096, "cpu") == 4096
 
 
+def two_device_pair() -> tuple[_C.SimDriver, _C.Allocator]:
+    driver = _C.SimDriver(256 * MiB, 2, 2 * MiB)
+    return driver, _C.Allocator(driver, device=0, chunk_bytes=4 * MiB)
+
+
+def test_prefetch_to_a_second_device_moves_the_pages() -> None:
+    # Issue 15, item 9: tracking said "on a device", not which one, so this move was skipped.
+    _, allocator = two_device_pair()
+    ptr = managed(allocator, 8 * MiB, tag="two")  # populated on cuda:0 at allocation
+    assert allocator.prefetch(ptr, 8 * MiB, "cuda:0") == 0
+    assert allocator.prefetch(ptr, 8 * MiB, "cuda:1") == 8 * MiB
+    assert attributes(allocator, ptr, 8 * MiB)["last_prefetch_location"] == "cuda:1"
+    stats = allocator.stats()
+    assert stats["managed_peer_bytes.tag:two.current"] == 8 * MiB
+    assert stats["managed_device_bytes.tag:two.current"] == 0
+    assert stats["reserved_bytes.tag:two.current"] == 0  # none of device 0's memory is held
+    assert allocator.prefetch(ptr, 8 * MiB, "cuda:1") == 0  # there now: skipped
+    # Half of it back: only that half moves, and each device is counted for its own pages.
+    assert allocator.prefetch(ptr, 4 * MiB, "cuda:0") == 4 * MiB
+    assert attributes(allocator, ptr + 4 * MiB, 4 * MiB)["last_prefetch_location"] == "cuda:1"
+    stats = allocator.stats()
+    assert stats["managed_device_bytes.tag:two.current"] == 4 * MiB
+    assert stats["managed_peer_bytes.tag:two.current"] == 4 * MiB
+    assert stats["prefetch_to_device_bytes.tag:two"] == (8 + 8 + 4) * MiB
+    allocator.free(ptr)
+    assert allocator.stats()["managed_peer_bytes.all.current"] == 0
+
+
+def test_budget_counts_only_its_own_device() -> None:
+    # Bytes moved to another GPU leave this device's budget room; the move is no "use" of this
+    # device either, so it brings no evicted segment back here.
+    _, allocator = two_device_pair()
+    allocator.set_device_budget(8 * MiB)
+    moved = managed(allocator, 8 * MiB, tag="b")
+    assert allocator.prefetch(moved, 8 * MiB, "cuda:1") == 8 * MiB
+    kept = managed(allocator, 8 * MiB, tag="b")  # 8 MiB on device 0: within the budget
+    stats = allocator.stats()
+    assert stats["num_budget_evictions.tag:b"] == 0
+    assert stats["managed_device_bytes.tag:b.current"] == 8 * MiB
+    assert attributes(allocator, moved, 8 * MiB)["last_prefetch_location"] == "cuda:1"
+    assert allocator.prefetch(moved, 8 * MiB, "cuda:0") == 8 * MiB  # a use: the other goes out
+    assert attributes(allocator, kept, 8 * MiB)["last_prefetch_location"] == "cpu"
+    assert allocator.stats()["num_budget_evictions.tag:b"] == 1
+    assert allocator.prefetch(kept, 8 * MiB, "cuda:1") == 8 * MiB  # evicted, moved, not readmitted
+    assert attributes(allocator, kept, 8 * MiB)["preferred_location"] == "cpu"
+    assert allocator.stats()["managed_device_bytes.tag:b.current"] == 8 * MiB
+
+
 def test_prefetch_argument_errors(driver, allocator) -> None:
     vmm = allocator.malloc(2 * MiB)
     ptr = managed(allocator, 2 * MiB)
@@ -146,6 +195,9 @@ def test_default_guard_is_the_free_device_memory(make_pair) -> None:
 
 
 def test_guard_counts_every_allocator_of_the_process(make_pair) -> None:
+    # Allocators of earlier tests that only the garbage collector frees still count in the total:
+    # collected now, not between reading the total and the allocation it is compared with.
+    gc.collect()
     _, first = make_pair()
     _, second = make_pair()
     managed(first, 6 * MiB)

@@ -7,7 +7,8 @@ before its pause leaves a reusable buffer and ``release_host_cache()`` returns e
 one; allocating from many threads while the worker pins does not deadlock; a failed pin ahead is
 counted and the pause pins for itself; a pause that comes early waits at most for the buffer it
 needs; destroying an allocator (or exiting the process) while a pin runs is safe. The simulated
-host allocation is made slow with ``SimDriver.set_host_alloc_delay`` instead of timing real work.
+host allocation is made slow with ``SimDriver.set_call_delay("host_alloc_pinned", seconds)``
+instead of timing real work.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def test_release_host_cache_frees_prepared_buffers_for_good(driver, allocator, f
 
 
 def test_release_host_cache_waits_for_the_pin_in_flight(driver, allocator) -> None:
-    driver.set_host_alloc_delay(0.2)
+    driver.set_call_delay("host_alloc_pinned", 0.2)
     allocator.malloc(8 * MiB, tag="t", cpu_backup=True)
     time.sleep(0.05)  # the worker is inside host_alloc_pinned now
     assert allocator.release_host_cache() == 8 * MiB
@@ -159,7 +160,7 @@ def test_release_host_cache_waits_for_the_pin_in_flight(driver, allocator) -> No
 
 
 def test_many_threads_allocating_while_the_worker_pins(driver, allocator, fill, peek) -> None:
-    driver.set_host_alloc_delay(0.002)
+    driver.set_call_delay("host_alloc_pinned", 0.002)
     errors: list[BaseException] = []
     kept: dict[str, list[tuple[int, int, bytes]]] = {}
 
@@ -237,7 +238,7 @@ def test_pause_raises_as_before_when_its_own_pin_fails_too(driver, allocator, fi
 
 def test_early_pause_waits_for_the_buffer_being_pinned_for_it(driver, allocator) -> None:
     delay = 0.4
-    driver.set_host_alloc_delay(delay)
+    driver.set_call_delay("host_alloc_pinned", delay)
     allocator.malloc(8 * MiB, tag="t", cpu_backup=True)
     time.sleep(delay / 4)  # the worker is inside host_alloc_pinned for it
     start = time.monotonic()
@@ -252,7 +253,7 @@ def test_early_pause_waits_for_the_buffer_being_pinned_for_it(driver, allocator)
 
 def test_early_pause_does_not_wait_for_a_buffer_it_does_not_need(driver, allocator) -> None:
     delay = 0.5
-    driver.set_host_alloc_delay(delay)
+    driver.set_call_delay("host_alloc_pinned", delay)
     allocator.malloc(2 * MiB, tag="other", cpu_backup=True)  # the worker pins this one first
     allocator.malloc(8 * MiB, tag="t", cpu_backup=True)
     time.sleep(0.02)
@@ -269,7 +270,7 @@ def test_early_pause_does_not_wait_for_a_buffer_it_does_not_need(driver, allocat
 
 
 def test_destroying_an_allocator_while_the_worker_pins(driver, fill) -> None:
-    driver.set_host_alloc_delay(0.2)
+    driver.set_call_delay("host_alloc_pinned", 0.2)
     allocator = _C.Allocator(driver, device=0, chunk_bytes=4 * MiB)
     ptr = allocator.malloc(8 * MiB, tag="t", cpu_backup=True)
     fill(ptr, 8 * MiB)
@@ -285,7 +286,7 @@ def test_process_exits_while_the_worker_pins() -> None:
         import time
         from torch_uvm_saver import _C
         driver = _C.SimDriver(64 << 20, 1, 2 << 20)
-        driver.set_host_alloc_delay(30.0)
+        driver.set_call_delay("host_alloc_pinned", 30.0)
         _C.install_driver(driver, chunk_bytes=4 << 20)
         _C.set_pin_ahead(True)
         _C.get_allocator(0).malloc(8 << 20, tag="t", cpu_backup=True)

@@ -1,8 +1,8 @@
 """SimDriver contract (Note [Simulated VMM]): capacity enforced and reported, physical memory
 given back for real on release after unmap, the mapping rules (driven through the raw primitives
 that _C.Driver exposes: reserve_address, create_physical, map, unmap, ...), touching paused memory
-faults (in a child process), and fault injection (fail_on, clear_faults, call_counts, the "*"
-wildcard).
+faults (in a child process), fault injection (fail_on, clear_faults, call_counts, the "*"
+wildcard) and slow calls (set_call_delay).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -428,6 +430,44 @@ def test_wildcard_counts_calls_of_every_function(
     assert driver.call_counts() == {"device_synchronize": 1, "host_alloc_pinned": 1}
     assert not allocator.is_paused("t")
     assert allocator.pause("t") == 4 * MiB
+
+
+def test_a_slow_call_is_counted_then_sleeps_without_the_driver_lock(driver: _C.SimDriver) -> None:
+    # Note [Slow calls]
+    delay = 1.0
+    driver.set_call_delay("mem_get_info", delay)
+    returned: list[float] = []
+    slow = threading.Thread(
+        target=lambda: (driver.mem_get_info(0), returned.append(time.monotonic())), daemon=True
+    )
+    start = time.monotonic()
+    slow.start()
+    while driver.call_counts().get("mem_get_info", 0) == 0:  # counted on entry
+        time.sleep(0.001)
+    assert driver.used_bytes(0) == 0  # another call goes through while the slow one sleeps...
+    assert returned == []  # ...and before it returns
+    slow.join(timeout=30)
+    assert returned and returned[0] - start >= delay
+    driver.set_call_delay("mem_get_info", 0)  # removed
+    before = time.monotonic()
+    driver.mem_get_info(0)
+    assert time.monotonic() - before < delay
+
+
+def test_call_delay_wildcard_and_errors(driver: _C.SimDriver) -> None:
+    driver.set_call_delay("*", 0.2)
+    driver.set_call_delay("granularity", 0.4)  # its own delay wins over the wildcard
+    for call, least in ((lambda: driver.device_count(), 0.2), (lambda: driver.granularity(0), 0.4)):
+        before = time.monotonic()
+        call()
+        assert time.monotonic() - before >= least
+    driver.fail_on("device_count", 1)
+    before = time.monotonic()
+    with pytest.raises(CudaError, match="injected"):
+        driver.device_count()  # a fault fires before the delay
+    assert time.monotonic() - before < 0.2
+    with pytest.raises(InvalidArgumentError, match="seconds must be >= 0"):
+        driver.set_call_delay("map", -1)
 
 
 HELD_STREAM = 0x1000
