@@ -296,13 +296,18 @@ std::size_t SnapshotStore::restore(const std::string& name,
                                    << "written");
     }
   }
+  const std::string context = call + " on device " + std::to_string(device_);
+  const std::string nothing_written =
+      " (nothing was written: the memory holds its old contents; the snapshot is intact)";
   std::vector<Piece> pieces;
   try {
     driver_.device_synchronize(device_);  // kernels still using the memory finish first
     pieces = plan(call, snapshot, spans);
+  } catch (const CudaError&) {
+    ++counters_.restore_faults;
+    rethrow_with_context(std::current_exception(), context, nothing_written);
   } catch (...) {
-    rethrow_with_context(std::current_exception(), call + " on device " + std::to_string(device_),
-                         " (nothing was written)");
+    rethrow_with_context(std::current_exception(), context, nothing_written);  // a refusal
   }
   std::size_t next = 0;  // first piece not queued in this try
   bool wrote = false;
@@ -320,13 +325,9 @@ std::size_t SnapshotStore::restore(const std::string& name,
       if (!first_error) first_error = std::current_exception();
       ++faults;
       ++counters_.restore_faults;
-      if (!wrote) {
-        rethrow_with_context(first_error, call + " on device " + std::to_string(device_),
-                             " (nothing was written: the memory holds its old contents; the "
-                             "snapshot is intact)");
-      }
+      if (!wrote) rethrow_with_context(first_error, context, nothing_written);
       if (faults >= kRestoreAttempts) {
-        rethrow_with_context(first_error, call + " on device " + std::to_string(device_),
+        rethrow_with_context(first_error, context,
                              " (the restore failed " + std::to_string(faults) +
                                  " times part way: the memory holds a mix of old and restored "
                                  "bytes; the snapshot is intact, call restore again)");
@@ -348,7 +349,7 @@ std::size_t SnapshotStore::restore(const std::string& name,
   counters_.into_backup_bytes += backup_bytes(pieces);
   counters_.restore_seconds += seconds_since(start);
   if (first_error) {
-    rethrow_with_context(first_error, call + " on device " + std::to_string(device_),
+    rethrow_with_context(first_error, context,
                          " (the restore was completed after this error: the memory holds the "
                          "snapshot)");
   }
