@@ -101,6 +101,7 @@ def test_module_snapshot_restores_the_same_tensors(process) -> None:
     assert tus.list_snapshots(device=0) == listed
     stats = tus.memory_stats()
     assert (stats["snapshot_count"], stats["snapshot_bytes"]) == (1, 2 * MiB)
+    assert "snapshots: 1, holding 2.00 MiB of host and 0 B of device memory" in tus.memory_summary()
 
 
 def test_the_rl_switch_between_ref_and_actor(process) -> None:
