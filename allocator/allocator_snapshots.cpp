@@ -102,6 +102,7 @@ void Allocator::add_snapshot_stats_locked(StatsDict& out) const {
   out["num_snapshots"] = static_cast<std::int64_t>(counters.takes);
   out["num_snapshot_restores"] = static_cast<std::int64_t>(counters.restores);
   out["num_snapshot_restore_faults"] = static_cast<std::int64_t>(counters.restore_faults);
+  out["num_snapshot_free_failures"] = static_cast<std::int64_t>(counters.free_failures);
   out["snapshot_taken_bytes"] = static_cast<std::int64_t>(counters.taken_bytes);
   out["snapshot_restored_bytes"] = static_cast<std::int64_t>(counters.restored_bytes);
   out["snapshot_from_backup_bytes"] = static_cast<std::int64_t>(counters.from_backup_bytes);

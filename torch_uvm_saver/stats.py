@@ -23,9 +23,10 @@ our prefetches last placed it; its ``reserved_bytes`` are the device-placed ones
 
 Named weight snapshots (snapshots.py) add, per device: ``snapshot_count``, ``snapshot_bytes``
 (pinned host memory the snapshots hold, also counted in ``host_pool_bytes.current``),
-``snapshot_device_bytes`` (device memory of ``on_device`` snapshots), the counters
-``num_snapshots``, ``num_snapshot_restores`` and ``num_snapshot_restore_faults`` (driver errors
-during restores), ``snapshot_taken_bytes``, ``snapshot_restored_bytes``,
+``snapshot_device_bytes`` (plain device memory of ``on_device`` snapshots, outside the
+``allocated_bytes`` and ``reserved_bytes`` families), the counters ``num_snapshots``,
+``num_snapshot_restores``, ``num_snapshot_restore_faults`` (driver errors during restores),
+``num_snapshot_free_failures``, ``snapshot_taken_bytes``, ``snapshot_restored_bytes``,
 ``snapshot_from_backup_bytes`` / ``snapshot_into_backup_bytes`` (read from and written to the CPU
 backups of paused tags), and the timers ``snapshot_seconds`` and ``snapshot_restore_seconds``.
 """

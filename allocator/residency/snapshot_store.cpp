@@ -196,6 +196,7 @@ void SnapshotStore::release_storage(Snapshot& snapshot) noexcept {
       driver_.mem_free(device_, snapshot.device_buffer);
     } catch (const std::exception& error) {
       log_once("snapshot_free", std::string("snapshot device buffer: ") + error.what());
+      ++counters_.free_failures;
     }
     snapshot.device_buffer = 0;
   }

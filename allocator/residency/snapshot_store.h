@@ -115,6 +115,7 @@ struct SnapshotCounters {
   double take_seconds = 0.0;
   double restore_seconds = 0.0;
   long restore_faults = 0;  // driver errors during restores (Note [Restore atomicity])
+  long free_failures = 0;   // device buffers the driver would not free (logged once)
 };
 
 class SnapshotStore {

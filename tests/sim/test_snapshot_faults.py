@@ -215,6 +215,7 @@ def test_a_replaced_device_buffer_that_cannot_be_freed_does_not_fail_the_take() 
     scenario.driver.fail_on("mem_free", 1)
     scenario.allocator.snapshot(SNAPSHOT, scenario.entries, True)  # logged, not raised
     scenario.driver.clear_faults()
+    assert scenario.allocator.stats()["num_snapshot_free_failures"] == 1
     scenario.write_random()
     scenario.allocator.restore_snapshot(SNAPSHOT, scenario.entries)
     assert scenario.read() == new
