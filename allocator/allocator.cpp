@@ -63,7 +63,8 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_, disk_),
       managed_residency_(*driver_, device, managed_, stats_),
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
-      blocks_(*driver_, device, *this) {
+      blocks_(*driver_, device, *this),
+      snapshots_(*driver_, device, copies_, host_buffers_, options.snapshot_slab_bytes) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
   HostBufferPool::pin_ahead();  // a TUS_PIN_AHEAD it cannot read fails here, not in a malloc
 }
@@ -755,6 +756,7 @@ StatsDict Allocator::stats() {
   out["host_pin_ahead_failures"] = static_cast<std::int64_t>(pool.pin_ahead_failures);
   out["host_pin_ahead_pending_bytes.current"] =
       static_cast<std::int64_t>(pool.pin_ahead_pending_bytes);
+  add_snapshot_stats_locked(out);
   out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
   out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
   out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());

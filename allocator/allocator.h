@@ -82,6 +82,7 @@
 #include "allocator/residency/lms_residency.h"
 #include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
+#include "allocator/residency/snapshot_store.h"
 #include "allocator/segment.h"
 #include "allocator/stats/stats.h"
 
@@ -91,6 +92,8 @@ struct AllocatorOptions {
   // Largest physical handle of a VMM segment: pause and resume work chunk by chunk, so smaller
   // chunks overlap unmapping with copying sooner; larger ones mean fewer driver calls.
   std::size_t chunk_bytes = 256 * kMiB;
+  // Host memory of weight snapshots comes in slabs of this size (Note [Snapshot layout]).
+  std::size_t snapshot_slab_bytes = SnapshotStore::kDefaultSlabBytes;
 };
 
 // Where a device address's backup lies on the host, and how many bytes of it follow.
@@ -110,7 +113,7 @@ struct SegmentInfo {
   bool has_backup = false;
 };
 
-class Allocator final : private SegmentSource {
+class Allocator final : private SegmentSource, private SnapshotSpans {
  public:
   Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOptions options = {});
   ~Allocator();
@@ -208,6 +211,17 @@ class Allocator final : private SegmentSource {
   void fail_disk_io_on(const std::string& op, int nth, int error);
   void clear_disk_faults();
 
+  // Named weight snapshots (residency/snapshot_store.h; allocator_snapshots.cpp). snapshot_tag
+  // takes every live allocation of `tag`, one entry per segment. restore_snapshot's `current`
+  // is what the snapshot's entries are now, in its order; empty for a tag's snapshot, whose
+  // segments are looked up here.
+  std::size_t snapshot(const std::string& name, const std::vector<SnapshotEntry>& entries,
+                       bool on_device);
+  std::size_t snapshot_tag(const std::string& name, const std::string& tag, bool on_device);
+  std::size_t restore_snapshot(const std::string& name, const std::vector<SnapshotEntry>& current);
+  std::size_t drop_snapshot(const std::string& name);
+  std::vector<SnapshotInfo> snapshots() const;
+
   std::optional<BackupView> backup_of(DevicePtr ptr) const;
   bool knows_tag(const std::string& tag) const;
   bool is_paused(const std::string& tag) const;
@@ -258,6 +272,10 @@ class Allocator final : private SegmentSource {
   void release_segment(Segment& segment) override;
   void reuse_segment(Segment& segment, StreamHandle stream) override;
   std::size_t single_block_bytes(Mode mode) override;
+  // SnapshotSpans, for the SnapshotStore; called with the mutex held.
+  std::vector<SpanPiece> locate(const std::string& call, DevicePtr ptr, std::size_t size) override;
+  std::vector<SnapshotEntry> tag_entries_locked(const std::string& tag);
+  void add_snapshot_stats_locked(StatsDict& out) const;
   TagState& known_tag_locked(const char* call, const std::string& tag);
   // Throws InvalidState when `tag` is paused (Note [Allocating in a paused tag]).
   void refuse_paused_tag_locked(const char* call, const std::string& tag, const char* why = "");
@@ -293,6 +311,7 @@ class Allocator final : private SegmentSource {
   LmsResidency lms_;
   BlockCache blocks_;
   bool lms_on_managed_ = false;
+  SnapshotStore snapshots_;  // last: its storage goes back to the pool before the pool goes
 };
 
 }  // namespace tus

@@ -77,12 +77,14 @@ void bind_allocator(py::module_& module) {
   using Tag = std::optional<std::string>;
   py::class_<Allocator, std::shared_ptr<Allocator>>(module, "Allocator",
                                                     "The allocator of one device.")
-      .def(py::init([](std::shared_ptr<Driver> driver, int device, std::size_t chunk_bytes) {
+      .def(py::init([](std::shared_ptr<Driver> driver, int device, std::size_t chunk_bytes,
+                       std::size_t snapshot_slab_bytes) {
              return std::make_shared<Allocator>(std::move(driver), device,
-                                                AllocatorOptions{chunk_bytes});
+                                                AllocatorOptions{chunk_bytes, snapshot_slab_bytes});
            }),
            py::arg("driver"), py::arg("device") = 0,
-           py::arg("chunk_bytes") = AllocatorOptions{}.chunk_bytes)
+           py::arg("chunk_bytes") = AllocatorOptions{}.chunk_bytes,
+           py::arg("snapshot_slab_bytes") = AllocatorOptions{}.snapshot_slab_bytes)
       .def_property_readonly("device", &Allocator::device)
       .def_property_readonly("driver", &Allocator::driver)
       .def("malloc", allocating("malloc", &Allocator::malloc), py::arg("size"),

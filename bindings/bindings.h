@@ -12,5 +12,7 @@ void bind_registry(pybind11::module_& module);
 void bind_alias(pybind11::module_& module);
 void bind_relocation(pybind11::module_& module);
 void bind_arguments(pybind11::module_& module);
+// Adds the snapshot methods to the Allocator class bind_allocator made.
+void bind_snapshots(pybind11::module_& module);
 
 }  // namespace tus::bindings

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build, run the GPU tests and the pause/resume benchmark on a machine with an NVIDIA GPU.
+# Build, run the GPU tests and the pause/resume and snapshot benchmarks on a machine with an
+# NVIDIA GPU.
 # Logs and JSON go to $OUT (the device tool's output folder) or ./.out; a short table comes last.
 #   scripts/gpu_check.sh [pytest args, default: tests]
 # If .peer/torch_memory_saver holds a checkout of torch_memory_saver (fetched by hand, never
@@ -24,4 +25,6 @@ if [ -d .peer/torch_memory_saver ]; then
 fi
 python3 benchmarks/bench_pause_resume.py --out "$OUT/pause_resume.json" "${peer[@]}" 2>&1 |
   tee "$OUT/bench.log" | tail -18
+python3 benchmarks/bench_snapshots.py --out "$OUT/snapshots.json" 2>&1 |
+  tee "$OUT/bench_snapshots.log" | tail -14
 exit $tests_rc

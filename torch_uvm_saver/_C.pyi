@@ -190,6 +190,7 @@ class Allocator:
         driver: Driver,
         device: typing.SupportsInt | typing.SupportsIndex = 0,
         chunk_bytes: typing.SupportsInt | typing.SupportsIndex = 268435456,
+        snapshot_slab_bytes: typing.SupportsInt | typing.SupportsIndex = 67108864,
     ) -> None: ...
     def advise(
         self,
@@ -231,6 +232,10 @@ class Allocator:
     def device_budget(self) -> int: ...
     def disk_backup_chunk_bytes(self) -> int: ...
     def disk_backup_dir(self) -> str | None: ...
+    def drop_snapshot(self, name: str) -> int:
+        """
+        Give the snapshot's storage back; returns the bytes it held.
+        """
     def empty_cache(self) -> int:
         """
         Give the global-mode cache's wholly free segments back; returns their bytes.
@@ -320,6 +325,21 @@ class Allocator:
     ) -> None: ...
     def release_host_cache(self) -> int: ...
     def reset_peak(self) -> None: ...
+    def restore_snapshot(
+        self,
+        name: str,
+        current: collections.abc.Sequence[
+            tuple[
+                str,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                str,
+            ]
+        ] = [],
+    ) -> int:
+        """
+        Write the snapshot back; `current` is what its entries are now, in its order (none for a tag's snapshot). Returns the bytes written.
+        """
     def resume(self, tag: str | None = None) -> int:
         """
         Map memory again under `tag` (every tag if None); returns bytes mapped.
@@ -355,6 +375,30 @@ class Allocator:
     def set_managed_limit(self, limit: int | None) -> None:
         """
         Refuse managed allocations past `limit` bytes (None: the default guard).
+        """
+    def snapshot(
+        self,
+        name: str,
+        entries: collections.abc.Sequence[
+            tuple[
+                str,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                str,
+            ]
+        ],
+        on_device: bool = False,
+    ) -> int:
+        """
+        Copy the (name, address, bytes, layout) entries into a snapshot called `name`, replacing one of that name once the copies are done; returns the bytes copied.
+        """
+    def snapshot_tag(self, name: str, tag: str, on_device: bool = False) -> int:
+        """
+        Snapshot every live allocation of `tag`; returns the bytes copied.
+        """
+    def snapshots(self) -> list:
+        """
+        The snapshots of this device: name, bytes, held_bytes, entries, on_device, tag.
         """
     def stats(self) -> dict[str, int | float]: ...
     def tags(self) -> list[str]: ...

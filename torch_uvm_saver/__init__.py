@@ -84,6 +84,7 @@ from .residency import (
     set_disk_backup_dir,
     set_pin_ahead,
 )
+from .snapshots import drop_snapshot, list_snapshots, restore, snapshot
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
 from .tms_compat import torch_memory_saver
 
@@ -100,6 +101,7 @@ __all__ = [
     "advise",
     "cuda_graph",
     "disable",
+    "drop_snapshot",
     "empty_cache",
     "get_backing_lms",
     "get_cpu_backup",
@@ -116,6 +118,7 @@ __all__ = [
     "hook_mode",
     "is_managed",
     "is_paused",
+    "list_snapshots",
     "lms_check",
     "lms_mode",
     "lms_session",
@@ -135,6 +138,7 @@ __all__ = [
     "region",
     "release_host_cache",
     "reset_peak_memory_stats",
+    "restore",
     "resume",
     "set_backing_lms",
     "set_backup_policy",
@@ -150,6 +154,7 @@ __all__ = [
     "set_prefetch_lms",
     "set_size_lms",
     "set_speculation_lms",
+    "snapshot",
     "suggest_placement",
     "to",
     "torch_memory_saver",

@@ -21,6 +21,15 @@ Managed memory adds ``managed_bytes``, ``managed_device_bytes``, ``managed_peer_
 ``allocated_bytes`` are the segments they are cut from), ``num_block_cache_misses``,
 ``num_alloc_retries``, ``block_cache_free_bytes.current`` and
 ``block_cache_pending_bytes.current``.
+
+Named weight snapshots (snapshots.py) add, per device: ``snapshot_count``, ``snapshot_bytes``
+(pinned host memory the snapshots hold, also counted in ``host_pool_bytes.current``),
+``snapshot_device_bytes`` (plain device memory of ``on_device`` snapshots, outside the
+``allocated_bytes`` and ``reserved_bytes`` families), the counters ``num_snapshots``,
+``num_snapshot_restores``, ``num_snapshot_restore_faults`` (driver errors during restores),
+``num_snapshot_free_failures``, ``snapshot_taken_bytes``, ``snapshot_restored_bytes``,
+``snapshot_from_backup_bytes`` / ``snapshot_into_backup_bytes`` (read from and written to the CPU
+backups of paused tags), and the timers ``snapshot_seconds`` and ``snapshot_restore_seconds``.
 """
 
 from __future__ import annotations
@@ -115,6 +124,12 @@ def memory_summary(device: _native.DeviceLike = None) -> str:
             f"{stats['prefetch_to_host_seconds.all']:.3f} s; budget "
             f"{format_bytes(budget) if budget else 'none'}, "
             f"{stats['num_budget_evictions.all']} evictions"
+        )
+    if stats["snapshot_count"]:
+        lines.append(
+            f"snapshots: {stats['snapshot_count']}, holding "
+            f"{format_bytes(stats['snapshot_bytes'])} of host and "
+            f"{format_bytes(stats['snapshot_device_bytes'])} of device memory"
         )
     if stats["block_bytes.all.current"] or stats["num_block_cache_misses.all"]:
         lines.append(

@@ -54,7 +54,8 @@ namespace tus {
   X(cuEventElapsedTime, 2000)              \
   X(cuStreamWaitEvent, 3020)               \
   X(cuMemcpyDtoHAsync, 3020)               \
-  X(cuMemcpyHtoDAsync, 3020)
+  X(cuMemcpyHtoDAsync, 3020)               \
+  X(cuMemcpyDtoDAsync, 3020)
 // clang-format on
 
 struct CudaApi {
@@ -529,6 +530,15 @@ void CudaDriver::copy_host_to_device(int device, DevicePtr dst, const void* src,
         api().cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, size,
                                 static_cast<CUstream>(stream)),
         "cuMemcpyHtoDAsync", bytes_on(size, device));
+}
+
+void CudaDriver::copy_device_to_device(int device, DevicePtr dst, DevicePtr src, std::size_t size,
+                                       StreamHandle stream) {
+  ContextGuard guard(*this, device);
+  check(api(),
+        api().cuMemcpyDtoDAsync(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), size,
+                                static_cast<CUstream>(stream)),
+        "cuMemcpyDtoDAsync", bytes_on(size, device));
 }
 
 }  // namespace tus

@@ -101,6 +101,9 @@ class Driver {
                                    StreamHandle stream) = 0;
   virtual void copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
                                    StreamHandle stream) = 0;
+  // Both addresses on `device` (named weight snapshots kept on the GPU).
+  virtual void copy_device_to_device(int device, DevicePtr dst, DevicePtr src, std::size_t size,
+                                     StreamHandle stream) = 0;
 };
 
 }  // namespace tus

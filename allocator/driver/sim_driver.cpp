@@ -525,4 +525,25 @@ void SimDriver::copy_host_to_device(int device, DevicePtr dst, const void* src, 
   note_copy_locked(stream, dst, size);
 }
 
+void SimDriver::copy_device_to_device(int device, DevicePtr dst, DevicePtr src, std::size_t size,
+                                      StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  enter_locked("copy_device_to_device", device);
+  auto device_memory = [&](DevicePtr ptr) {
+    return inside_one(mappings_, ptr, size, [](const Mapping& m) { return m.size; }) ||
+           inside_one(plain_allocations_, ptr, size,
+                      [](const auto& entry) { return entry.second; }) ||
+           managed_.covers(ptr, size);
+  };
+  if (!device_memory(src)) {
+    fail("copy_device_to_device", kInvalidValue, "source is not mapped device memory");
+  }
+  if (!device_memory(dst)) {
+    fail("copy_device_to_device", kInvalidValue, "destination is not mapped device memory");
+  }
+  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size);
+  note_copy_locked(stream, src, size);
+  note_copy_locked(stream, dst, size);
+}
+
 }  // namespace tus

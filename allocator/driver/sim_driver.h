@@ -118,6 +118,8 @@ class SimDriver final : public Driver {
                            StreamHandle stream) override;
   void copy_host_to_device(int device, DevicePtr dst, const void* src, std::size_t size,
                            StreamHandle stream) override;
+  void copy_device_to_device(int device, DevicePtr dst, DevicePtr src, std::size_t size,
+                             StreamHandle stream) override;
 
  private:
   struct Physical {

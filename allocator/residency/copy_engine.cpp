@@ -29,6 +29,10 @@ void CopyEngine::to_device(DevicePtr dst, const void* src, std::size_t size) {
   driver_.copy_host_to_device(device_, dst, src, size, stream());
 }
 
+void CopyEngine::within_device(DevicePtr dst, DevicePtr src, std::size_t size) {
+  driver_.copy_device_to_device(device_, dst, src, size, stream());
+}
+
 std::size_t CopyEngine::mark() {
   if (marks_used_ == events_.size()) events_.push_back(driver_.event_create(device_));
   driver_.event_record(device_, events_[marks_used_], stream());

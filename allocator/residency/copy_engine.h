@@ -19,6 +19,7 @@ class CopyEngine {
 
   void to_host(void* dst, DevicePtr src, std::size_t size);
   void to_device(DevicePtr dst, const void* src, std::size_t size);
+  void within_device(DevicePtr dst, DevicePtr src, std::size_t size);
   // Marks the point after every copy queued so far; wait(mark) blocks until those are done.
   std::size_t mark();
   void wait(std::size_t mark);

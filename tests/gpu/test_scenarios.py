@@ -19,6 +19,7 @@ from lms_session_scenarios import SCENARIOS as LMS_SESSION_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
+from snapshot_scenarios import SCENARIOS as SNAPSHOT_SCENARIOS
 
 HERE = Path(__file__).parent
 CASES = (
@@ -29,6 +30,7 @@ CASES = (
     + [("pin_ahead_scenarios.py", name) for name in sorted(PIN_AHEAD_SCENARIOS)]
     + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
     + [("fork_scenarios.py", name) for name in sorted(FORK_SCENARIOS)]
+    + [("snapshot_scenarios.py", name) for name in sorted(SNAPSHOT_SCENARIOS)]
 )
 
 
