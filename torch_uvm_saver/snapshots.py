@@ -207,7 +207,7 @@ def snapshot(
 
 
 def _tag_device(name: str, tag: str, device: _native.DeviceLike) -> int:
-    _native.check_tag(tag)
+    _C.check_tag("snapshot", tag)
     if device is not None:
         return _native.device_index(device)
     holders = [a.device for a in _native.allocators() if a.knows_tag(tag)]
