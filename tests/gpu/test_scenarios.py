@@ -18,6 +18,7 @@ from lms_session_scenarios import SCENARIOS as LMS_SESSION_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
+from soak_scenarios import SCENARIOS as SOAK_SCENARIOS
 
 HERE = Path(__file__).parent
 CASES = (
@@ -27,6 +28,7 @@ CASES = (
     + [("lms_session_scenarios.py", name) for name in sorted(LMS_SESSION_SCENARIOS)]
     + [("pin_ahead_scenarios.py", name) for name in sorted(PIN_AHEAD_SCENARIOS)]
     + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
+    + [("soak_scenarios.py", name) for name in sorted(SOAK_SCENARIOS)]
 )
 
 
