@@ -84,6 +84,8 @@ void bind_drivers(py::module_& module) {
       .def("mapped_ranges", &SimDriver::mapped_ranges, py::call_guard<py::gil_scoped_release>())
       .def("pinned_host_bytes", &SimDriver::pinned_host_bytes,
            py::call_guard<py::gil_scoped_release>())
+      .def("held", &SimDriver::held, py::call_guard<py::gil_scoped_release>(),
+           "Objects still alive, by kind (Note [What the driver holds] in sim_driver.h).")
       .def("hold_events", &SimDriver::hold_events, py::arg("held"),
            py::call_guard<py::gil_scoped_release>(),
            "While held, event_query says recorded events are still running.")

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include "allocator/errors.h"
+#include "allocator/log.h"
 #include "bindings/bindings.h"
 
 namespace py = pybind11;
@@ -48,6 +49,11 @@ void bind_errors(py::module_& module) {
       },
       py::arg("error"), py::arg("out_of_memory"), py::arg("cuda_error"),
       py::arg("invalid_argument"), py::arg("invalid_state"));
+
+  // Paths that cannot raise (free, destructors, best-effort placement) report through log_once;
+  // tests of injected failures check that every failure was either raised or reported.
+  module.def("logged_count", &logged_count,
+             "Failures reported on stderr so far (repeats of one kind, printed once, included).");
 
   py::register_exception_translator([](std::exception_ptr raised) {
     if (!raised) return;

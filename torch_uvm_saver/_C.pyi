@@ -41,6 +41,7 @@ __all__: list[str] = [
     "global_hook",
     "install_driver",
     "last_malloc_error",
+    "logged_count",
     "managed_process_total",
     "preload_hook",
     "restore_thread_region",
@@ -159,6 +160,10 @@ class SimDriver(Driver):
     ) -> None:
         """
         Make the nth call of `call` from now fail (error_code 2 = out of memory).
+        """
+    def held(self) -> dict[str, int]:
+        """
+        Objects still alive, by kind (Note [What the driver holds] in sim_driver.h).
         """
     def hold_copies(self, held: bool) -> None:
         """
@@ -579,6 +584,11 @@ def install_driver(
 def last_malloc_error() -> str:
     """
     Why the last allocation PyTorch asked of us on this thread failed ('' if none).
+    """
+
+def logged_count() -> int:
+    """
+    Failures reported on stderr so far (repeats of one kind, printed once, included).
     """
 
 def managed_process_total() -> int:

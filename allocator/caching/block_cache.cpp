@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "allocator/driver/quiet_release.h"
 #include "allocator/errors.h"
 #include "allocator/log.h"
 
@@ -45,12 +46,7 @@ BlockCache::~BlockCache() {
     if (block->freed != nullptr) spare_events_.push_back(block->freed);
     delete block;
   }
-  for (EventHandle event : spare_events_) {
-    try {
-      driver_.event_destroy(device_, event);
-    } catch (const std::exception&) {
-    }
-  }
+  destroy_events_quietly(driver_, device_, spare_events_, "block cache");
 }
 
 BlockCache::Pool& BlockCache::pool_for(const RegionConfig& region, bool small, bool single) {
@@ -283,6 +279,11 @@ EventHandle BlockCache::take_event() {
 }
 
 std::size_t BlockCache::release_free_segments() {
+  // Blocks still waiting for other streams are settled first, as PyTorch's empty_cache does: one
+  // whose events could not be recorded waits for a synchronize (free()), and without this one
+  // its segment would stay held after empty_cache.
+  const bool synchronized = !pending_.empty();
+  if (synchronized) process_pending_frees(true);
   std::vector<Block*> whole;
   for (auto& [key, pool] : pools_) {
     for (Block* block : pool->free_blocks) {
@@ -291,7 +292,7 @@ std::size_t BlockCache::release_free_segments() {
   }
   if (whole.empty()) return 0;
   // Kernels may still use a freed block on its own stream (Note [Stream-ordered reuse]).
-  driver_.device_synchronize(device_);
+  if (!synchronized) driver_.device_synchronize(device_);
   std::size_t released = 0;
   for (Block* block : whole) {
     released += block->size;

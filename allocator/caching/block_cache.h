@@ -90,7 +90,8 @@ class BlockCache {
   bool free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment);
   // Note [Stream-ordered reuse]. Throws InvalidArgument for an address that is not a live block.
   void record_stream(DevicePtr ptr, StreamHandle stream);
-  // Gives wholly free segments back (after a device synchronize); returns their bytes.
+  // Gives wholly free segments back (after a device synchronize, which also settles the frees
+  // still waiting for other streams); returns their bytes.
   std::size_t release_free_segments();
   // Note [Releasing one-block segments]: gives back free one-block segments, largest first,
   // until `at_least` bytes are released; returns the bytes released. Without `wait`, only those

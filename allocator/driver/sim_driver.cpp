@@ -93,6 +93,20 @@ std::size_t SimDriver::pinned_host_bytes() const {
   return total;
 }
 
+std::map<std::string, std::size_t> SimDriver::held() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {
+      {"reservations", reservations_.size()},
+      {"physical_handles", physicals_.size()},
+      {"mappings", mappings_.size()},
+      {"plain_allocations", plain_allocations_.size()},
+      {"managed_allocations", managed_.allocation_count()},
+      {"pinned_buffers", pinned_.size()},
+      {"streams", own_streams_.size()},
+      {"events", live_events_.size()},
+  };
+}
+
 void SimDriver::check_device_locked(int device) const {
   if (device < 0 || device >= device_count_) {
     Message why;
@@ -396,8 +410,11 @@ StreamHandle SimDriver::stream_create(int device) {
   return stream;
 }
 
-void SimDriver::stream_destroy(int device, StreamHandle) {
+void SimDriver::stream_destroy(int device, StreamHandle stream) {
   auto lock = enter("stream_destroy", device);
+  auto it = std::find(own_streams_.begin(), own_streams_.end(), stream);
+  if (it == own_streams_.end()) fail("stream_destroy", kInvalidValue, "not a live stream");
+  own_streams_.erase(it);
 }
 
 void SimDriver::stream_synchronize(int device, StreamHandle stream) {
@@ -407,11 +424,15 @@ void SimDriver::stream_synchronize(int device, StreamHandle stream) {
 
 EventHandle SimDriver::event_create(int device) {
   auto lock = enter("event_create", device);
-  return reinterpret_cast<EventHandle>(next_object_++);
+  auto event = reinterpret_cast<EventHandle>(next_object_++);
+  live_events_.insert(event);
+  return event;
 }
 
-void SimDriver::event_destroy(int device, EventHandle) {
+void SimDriver::event_destroy(int device, EventHandle event) {
   auto lock = enter("event_destroy", device);
+  if (live_events_.erase(event) == 0) fail("event_destroy", kInvalidValue, "not a live event");
+  held_events_.erase(event);
 }
 
 void SimDriver::event_record(int device, EventHandle event, StreamHandle stream) {
@@ -425,7 +446,9 @@ void SimDriver::event_record(int device, EventHandle event, StreamHandle stream)
 
 EventHandle SimDriver::event_create_timed(int device) {
   auto lock = enter("event_create_timed", device);
-  return reinterpret_cast<EventHandle>(next_object_++);
+  auto event = reinterpret_cast<EventHandle>(next_object_++);
+  live_events_.insert(event);
+  return event;
 }
 
 float SimDriver::event_elapsed_ms(int device, EventHandle, EventHandle) {

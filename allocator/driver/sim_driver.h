@@ -33,12 +33,21 @@
 //  The call is counted first (call_counts() shows that a thread is inside it), then sleeps with
 //  the driver's lock released, as a slow driver call blocks its caller and not other threads'
 //  calls, and then does its work. An injected fault fires before the delay.
+//
+// Note [What the driver holds]
+//  held() counts what the process still holds of the driver, by kind: reservations, physical
+//  handles (released ones still mapped included), mappings, plain and managed allocations, pinned
+//  host buffers, streams and events. Tests tear an allocator down and expect every count at 0, so
+//  a failure path that forgets an event or a host buffer shows as a leak. Destroying a stream or
+//  an event the driver did not make (or made and destroyed already) fails, as a double destroy is
+//  a bookkeeping bug.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -68,6 +77,8 @@ class SimDriver final : public Driver {
   std::size_t capacity_bytes() const { return capacity_; }
   std::size_t mapped_ranges() const;
   std::size_t pinned_host_bytes() const;
+  // Note [What the driver holds]: every object still alive, by kind.
+  std::map<std::string, std::size_t> held() const;
   // While held, event_query reports recorded events as not yet complete (work "in flight" on
   // other streams); event_synchronize and device_synchronize still complete them.
   void hold_events(bool held);
@@ -180,7 +191,8 @@ class SimDriver final : public Driver {
   void complete_copies_locked(StreamHandle stream, std::uint64_t through);
   bool copies_held_ = false;
   std::uint64_t copy_order_ = 0;
-  std::vector<StreamHandle> own_streams_;
+  std::vector<StreamHandle> own_streams_;  // created and not yet destroyed
+  std::set<EventHandle> live_events_;
   std::vector<CopyInFlight> copies_in_flight_;
   std::map<EventHandle, HeldEvent> held_events_;
   PhysHandle next_handle_ = 1;

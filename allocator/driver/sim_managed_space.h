@@ -27,6 +27,7 @@ class SimManagedSpace {
   // False if `ptr` is not the start of a managed allocation.
   bool release(DevicePtr ptr);
   bool contains(DevicePtr ptr) const;
+  std::size_t allocation_count() const { return allocations_.size(); }
   // True when [ptr, ptr + size) is inside one allocation (size 0 is refused).
   bool covers(DevicePtr ptr, std::size_t size) const;
 

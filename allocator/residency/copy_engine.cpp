@@ -1,16 +1,12 @@
 #include "allocator/residency/copy_engine.h"
 
-#include "allocator/log.h"
+#include "allocator/driver/quiet_release.h"
 
 namespace tus {
 
 CopyEngine::~CopyEngine() {
-  try {
-    for (EventHandle event : events_) driver_.event_destroy(device_, event);
-    if (has_stream_) driver_.stream_destroy(device_, stream_);
-  } catch (const std::exception& error) {
-    log_once("copy_engine_teardown", error.what());
-  }
+  destroy_events_quietly(driver_, device_, events_, "copy engine");
+  if (has_stream_) destroy_stream_quietly(driver_, device_, stream_, "copy engine");
 }
 
 StreamHandle CopyEngine::stream() {

@@ -130,14 +130,17 @@ void HostBufferPool::discard(HostBuffer buffer) {
     munmap(buffer.ptr, buffer.size);
     return;
   }
+  {
+    // Not the pool's any more, whether or not the driver takes it back (as in trim()): a buffer
+    // the driver refused is reported, not counted for good.
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_.pinned_bytes -= buffer.size;
+  }
   try {
     driver_.host_free_pinned(device_, buffer.ptr);
   } catch (const std::exception& error) {
     log_once("host_buffer_pool_discard", error.what());
-    return;
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  counters_.pinned_bytes -= buffer.size;
 }
 
 std::size_t HostBufferPool::trim() {

@@ -4,6 +4,7 @@
 #include <limits>
 #include <optional>
 
+#include "allocator/driver/quiet_release.h"
 #include "allocator/errors.h"
 #include "allocator/log.h"
 #include "allocator/stats/segment_footprint.h"
@@ -38,13 +39,16 @@ LmsResidency::LmsResidency(Driver& driver, int device, Backing& backing, PauseCo
       stats_(stats) {}
 
 LmsResidency::~LmsResidency() {
-  // Test-made allocators only (registry allocators live forever); best effort.
+  // Test-made allocators only (registry allocators live forever); best effort. The Allocator
+  // frees its segments first, so no page-out is left by now.
   try {
-    std::exception_ptr ignored;
-    while (!paging_out_.empty()) finish_page_out(*paging_out_.front(), ignored);
-    for (EventHandle event : spare_events_) driver_.event_destroy(device_, event);
-  } catch (const std::exception&) {
+    std::exception_ptr failed;
+    while (!paging_out_.empty()) finish_page_out(*paging_out_.front(), failed);
+    if (failed) std::rethrow_exception(failed);
+  } catch (const std::exception& error) {
+    log_once("lms_teardown", std::string("lms: finishing a page-out failed: ") + error.what());
   }
+  destroy_events_quietly(driver_, device_, spare_events_, "lms");
 }
 
 void LmsResidency::count(const Segment& segment, std::int64_t ScopeStats::* counter) {

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "allocator/driver/quiet_release.h"
 #include "allocator/errors.h"
 #include "allocator/log.h"
 #include "allocator/message.h"
@@ -32,12 +33,7 @@ ManagedResidency::~ManagedResidency() {
     spare_events_.push_back(timing.start);
     spare_events_.push_back(timing.end);
   }
-  for (EventHandle event : spare_events_) {
-    try {
-      driver_.event_destroy(device_, event);
-    } catch (const std::exception&) {
-    }
-  }
+  destroy_events_quietly(driver_, device_, spare_events_, "managed residency");
 }
 
 void ManagedResidency::check_guard(std::size_t size, const std::string& tag) {
@@ -166,9 +162,10 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
       end = take_event();
       driver_.event_record(device_, end, stream);
       pending_.push_back(PendingTiming{start, end, segment.mode, segment.tag, to_device});
-    } catch (const std::exception&) {
+    } catch (const std::exception& timing_error) {
       spare_events_.push_back(start);  // timing is lost; the prefetch itself went out
       if (end != nullptr) spare_events_.push_back(end);
+      log_once("prefetch_timing", std::string("timing a prefetch failed: ") + timing_error.what());
     }
   }
   if (scheduled == 0 && !error) {

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "allocator/driver/quiet_release.h"
+#include "allocator/log.h"
+
 namespace tus {
 
 namespace {
@@ -22,9 +25,10 @@ PauseController::~PauseController() {
   // Test-made allocators only (registry allocators live forever); best effort.
   try {
     retire_async(true);
-    for (EventHandle event : spare_events_) driver_.event_destroy(device_, event);
-  } catch (const std::exception&) {
+  } catch (const std::exception& error) {
+    log_once("pause_teardown", std::string("retiring copies failed: ") + error.what());
   }
+  destroy_events_quietly(driver_, device_, spare_events_, "pause controller");
 }
 
 void PauseController::drop_backup(Segment& segment) {
@@ -235,8 +239,11 @@ void PauseController::retire_async(bool wait) {
       } else {
         done = driver_.event_query(device_, flight.done);
       }
-    } catch (const std::exception&) {
-      done = false;  // keep the buffer: a copy may still read it
+    } catch (const std::exception& error) {
+      done = false;  // keep the buffer: a copy may still read it; the next retire asks again
+      log_once("retire_copies", std::string("checking an asynchronous copy failed (its host "
+                                            "buffer is kept until a later check succeeds): ") +
+                                    error.what());
     }
     if (!done) {
       if (std::find(busy.begin(), busy.end(), flight.engine) == busy.end()) {

@@ -20,6 +20,7 @@ from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
 from snapshot_scenarios import SCENARIOS as SNAPSHOT_SCENARIOS
+from soak_scenarios import SCENARIOS as SOAK_SCENARIOS
 
 HERE = Path(__file__).parent
 CASES = (
@@ -31,6 +32,7 @@ CASES = (
     + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
     + [("fork_scenarios.py", name) for name in sorted(FORK_SCENARIOS)]
     + [("snapshot_scenarios.py", name) for name in sorted(SNAPSHOT_SCENARIOS)]
+    + [("soak_scenarios.py", name) for name in sorted(SOAK_SCENARIOS)]
 )
 
 

@@ -151,3 +151,25 @@ def process() -> Iterator[tuple[_C.SimDriver, _C.Allocator]]:
     allocator.set_managed_limit(None)
     allocator.set_device_budget(0)
     assert driver.used_bytes() == 0
+
+
+# The fault-injection sweep's case counts (test_fault_injection.py records them as a property of
+# its counting test), printed at the end of the run: a new driver call shows as more cases.
+FAULT_CASES: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == "fault injection cases":
+            FAULT_CASES.update(value)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FAULT_CASES:
+        return
+    terminalreporter.write_sep(
+        "-", "fault injection: (call, position) cases per workload, out-of-memory ones included"
+    )
+    for name, count in FAULT_CASES.items():
+        terminalreporter.write_line(f"{count:6d}  {name}")
+    terminalreporter.write_line(f"{sum(FAULT_CASES.values()):6d}  in total")

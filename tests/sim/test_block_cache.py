@@ -98,6 +98,19 @@ def test_record_stream_delays_reuse_until_the_other_stream_is_done(driver, alloc
     assert alloc(allocator, 1 * MiB, stream=STREAM_A) == ptr
 
 
+def test_empty_cache_gives_back_a_block_whose_stream_event_could_not_be_recorded(
+    driver, allocator
+) -> None:
+    ptr = alloc(allocator, 1 * MiB)  # a small block: a 2 MiB segment of its own
+    allocator.record_stream(ptr, STREAM_B)
+    driver.fail_on("event_create", 1)
+    allocator.block_free(ptr)  # reported; without its event it waits for a synchronize
+    assert allocator.stats()["block_cache_pending_bytes.current"] == 1 * MiB
+    assert allocator.empty_cache() == 2 * MiB  # the synchronize of empty_cache settles it
+    assert allocator.stats()["block_cache_pending_bytes.current"] == 0
+    assert driver.used_bytes() == 0
+
+
 def test_record_stream_of_an_unknown_address(allocator) -> None:
     with pytest.raises(InvalidArgumentError, match="not the start of a live block"):
         allocator.record_stream(0x1234, STREAM_B)

@@ -1,10 +1,22 @@
 """Driver failures injected with SimDriver.fail_on (Note [Failure atomicity]).
 
-The sweep fails, one test each, every occurrence of every driver call that one clean pause+resume
-cycle makes (the calls are found by counting such a cycle at collection time), then clears the
-fault and finishes the cycle: backed-up bytes must be intact, the stats consistent, the driver's
-memory equal to what the stats say is resident, and freeing everything must leave nothing behind.
-Failures of malloc's driver calls must leak nothing; failures in free are counted, not raised.
+The sweep (Note [Sweeping a workload] in fault_workloads.py) fails, one case each, every
+(call, position) that a clean run of each workload makes: malloc/free in every mode, through
+segments and through the block cache, managed allocation with prefetch and the device budget's
+eviction, LMS page-out and page-in (on VMM and on managed memory), pause/resume with host and
+disk backups, teardown and the allocator's destruction included; calls that allocate fail once
+more with out-of-memory. Each case must end with the failure raised as a typed error naming the
+call (OutOfMemoryError for out-of-memory, else CudaError), recovered from by a ladder that made
+room and called again (out-of-memory only), or reported on stderr where the path cannot raise
+(free, destructors, best-effort placement); with every byte written before intact; and,
+once everything is freed, the host cache released and the allocator gone, with nothing held by
+the driver (SimDriver.held(), Note [What the driver holds]) but the one object that a failed
+release the path swallowed was about. The case count printed at the end of the run derives from
+the calls traced, so it grows with every new call. Every position is swept (no sampling): about
+1,100 cases, a minute on two cores, as the sizes are kept small (fault_workloads.py).
+
+The tests after the sweep pin down what a failure in the middle of pause/resume and malloc
+leaves behind, which the sweep checks only by the bytes and the teardown.
 
 Pinning ahead is off here: these tests fail the pause's own driver calls, host_alloc_pinned
 included, by counting them, and a background pin would move the count (test_pin_ahead.py covers
@@ -15,12 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from fault_workloads import WORKLOADS, Env, Workload, new_env
 
 from torch_uvm_saver import _C
-from torch_uvm_saver.errors import CudaError, OutOfMemoryError
+from torch_uvm_saver.errors import CudaError, OutOfMemoryError, TusError
 
 pytestmark = pytest.mark.usefixtures("pin_ahead_off")
 
@@ -29,26 +44,174 @@ TAG = "t"
 # (size, cpu_backup): several 4 MiB chunks each, two segments with a backup and one without.
 LAYOUT = ((10 * MiB, True), (8 * MiB, True), (6 * MiB, False))
 TOTAL = sum(size for size, _ in LAYOUT)
-# Random contents, drawn once: the sweep has ~70 cases and drawing 24 MiB each time dominates.
 RANDOM = os.urandom(TOTAL)
 
-# Calls a pause+resume cycle must make; the sweep covers whatever it finds, these at least.
+# Calls a workload must make (so that a change that stops exercising a path shows); the sweep
+# covers whatever it finds, these at least.
 EXPECTED_CALLS = {
-    "device_synchronize",
-    "host_alloc_pinned",
-    "copy_device_to_host",
-    "event_create",
-    "event_record",
-    "event_synchronize",
-    "unmap",
-    "release_physical",
-    "create_physical",
-    "map",
-    "set_access",
-    "copy_host_to_device",
-    "stream_create",
-    "stream_synchronize",
+    "segments[vmm]": {"reserve_address", "create_physical", "map", "set_access", "unmap"},
+    "managed placement": {"mem_alloc_managed", "mem_advise", "mem_prefetch", "mem_free"},
+    "lms paging": {"copy_device_to_host", "copy_host_to_device", "host_alloc_pinned", "unmap"},
+    "lms paging on managed memory": {"mem_prefetch", "mem_advise"},
+    "pause/resume": {
+        "device_synchronize",
+        "host_alloc_pinned",
+        "copy_device_to_host",
+        "event_create",
+        "event_record",
+        "event_synchronize",
+        "unmap",
+        "release_physical",
+        "create_physical",
+        "map",
+        "set_access",
+        "copy_host_to_device",
+        "stream_create",
+        "stream_synchronize",
+    },
 }
+# Calls that can run out of memory are swept twice: with a driver error and with out-of-memory,
+# which takes the allocator's ladders (trim the host pool, give the cache back, page out) before
+# it gives up.
+OUT_OF_MEMORY = 2  # SimDriver's code for CUDA_ERROR_OUT_OF_MEMORY
+ALLOCATING_CALLS = {
+    "reserve_address",
+    "create_physical",
+    "mem_alloc",
+    "mem_alloc_managed",
+    "host_alloc_pinned",
+}
+# A release that fails where the path cannot raise (free, destructors) leaves what the driver
+# refused to take back: at most one object of these kinds (a VMM chunk whose unmap failed keeps
+# its handle, and its segment's address range is not reused while mapped), nothing more.
+LEFT_BY_A_FAILED_RELEASE = {
+    "unmap": {"mappings", "physical_handles", "reservations"},
+    "release_physical": {"physical_handles", "reservations"},
+    "free_address": {"reservations"},
+    "mem_free": {"plain_allocations", "managed_allocations"},
+    "host_free_pinned": {"pinned_buffers"},
+    "stream_destroy": {"streams"},
+    "event_destroy": {"events"},
+}
+
+
+@dataclass
+class Traced:
+    """What a run of a workload did: the driver calls it made, the steps that raised."""
+
+    calls: dict[str, int]
+    raised: list[str]
+    logged: int  # failures reported on stderr meanwhile (_C.logged_count)
+    held: dict[str, int]  # what the driver still holds once the allocator is gone
+
+
+def run_workload(
+    workload: Workload, scratch_dir: str, call: str = "", nth: int = 0, code: int = 999
+) -> Traced:
+    """Runs `workload` on a fresh driver and allocator, with the `nth` `call` failing with error
+    `code` (none if `call` is empty), and tears it down: frees, releases the host cache, destroys
+    the allocator. Asserts what every step must show on the way; the caller checks the end."""
+    env = new_env(workload, scratch_dir)
+    workload.prepare(env)
+    env.driver.reset_call_counts()
+    if call:
+        env.driver.fail_on(call, nth, code)
+    logged_before = _C.logged_count()
+    raised = []
+    for step in workload.steps:
+        try:
+            step.run(env)
+        except TusError as error:  # anything else fails the test: an untyped error
+            assert call, f"{workload.name}: {step.label} failed in a clean run: {error}"
+            assert isinstance(error, OutOfMemoryError if code == OUT_OF_MEMORY else CudaError)
+            assert f"sim {call} failed: injected fault" in str(error), error
+            assert str(error).startswith(step.context), error
+            raised.append(step.label)
+            env.driver.clear_faults()
+            step.run(env)  # the fault fired and is gone: the same step works now
+    assert_released(env)
+    env.allocator = None  # the allocator's destructor runs here: it is part of the run
+    held = {kind: count for kind, count in env.driver.held().items() if count}
+    if env.driver.used_bytes():
+        held["device bytes"] = env.driver.used_bytes()
+    logged = _C.logged_count() - logged_before
+    return Traced(dict(env.driver.call_counts()), raised, logged, held)
+
+
+def assert_released(env: Env) -> None:
+    """After teardown the allocator's stats hold nothing: every gauge is back at 0."""
+    stats = env.alloc.stats()
+    held = {key: value for key, value in stats.items() if key.endswith(".current") and value}
+    assert not held, f"stats after teardown: {held}"
+
+
+def clean_counts() -> dict[str, dict[str, int]]:
+    """Each workload's driver calls in a clean run (collection time: no fixture yet)."""
+    before = _C.get_pin_ahead()
+    _C.set_pin_ahead(False)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            return {w.name: run_workload(w, scratch).calls for w in WORKLOADS}
+    finally:
+        _C.set_pin_ahead(before)
+
+
+CLEAN_COUNTS = clean_counts()
+SWEEP = [
+    pytest.param(workload, call, n, code, id=f"{workload.name}:{call}#{n}{suffix}")
+    for workload in WORKLOADS
+    for call, count in sorted(CLEAN_COUNTS[workload.name].items())
+    for n in range(1, count + 1)
+    for code, suffix in ((999, ""), (OUT_OF_MEMORY, "-oom"))
+    if code != OUT_OF_MEMORY or call in ALLOCATING_CALLS
+]
+
+
+def test_every_workload_is_swept(tmp_path: Path, record_property) -> None:
+    cases = {
+        name: sum(n * (2 if call in ALLOCATING_CALLS else 1) for call, n in counts.items())
+        for name, counts in CLEAN_COUNTS.items()
+    }
+    record_property("fault injection cases", cases)  # printed at the end (conftest.py)
+    assert len(SWEEP) == sum(cases.values())
+    for workload in WORKLOADS:
+        assert cases[workload.name] > 0, workload.name
+        missing = EXPECTED_CALLS.get(workload.name, set()) - set(CLEAN_COUNTS[workload.name])
+        assert not missing, f"{workload.name} no longer calls {sorted(missing)}"
+        # A clean run reports nothing, so a report in a failing case is the failure's.
+        traced = run_workload(workload, str(tmp_path))
+        assert traced.logged == 0, workload.name
+        assert traced.held == {}, workload.name
+        assert traced.calls == CLEAN_COUNTS[workload.name], "the workload is not deterministic"
+    pause = CLEAN_COUNTS["pause/resume"]
+    # Chunk-level work: 5 backed-up chunks copied each way, 7 chunks unmapped and mapped again
+    # (and unmapped once more when freed).
+    assert pause["copy_device_to_host"] == pause["copy_host_to_device"] == 5
+    assert pause["map"] == 7 and pause["unmap"] == 14
+
+
+@pytest.mark.parametrize(("workload", "call", "nth", "code"), SWEEP)
+def test_failure_in_workload(
+    tmp_path: Path, workload: Workload, call: str, nth: int, code: int
+) -> None:
+    traced = run_workload(workload, str(tmp_path), call, nth, code)
+    assert traced.calls.get(call, 0) >= nth, f"the failing {call} #{nth} was never made"
+    # Out of memory may also be recovered from: a ladder made room and the call was made again.
+    retried = traced.calls[call] > CLEAN_COUNTS[workload.name][call]
+    recovered = code == OUT_OF_MEMORY and retried
+    assert traced.raised or traced.logged or recovered, (
+        "the failure was neither raised nor reported"
+    )
+    assert list(tmp_path.iterdir()) == [], "disk backup files were left behind"
+    if traced.raised or call not in LEFT_BY_A_FAILED_RELEASE:
+        assert traced.held == {}, f"leaked: {traced.held}"
+        return
+    # A swallowed release: the object it was about stays with the driver, nothing else does.
+    left = {kind: count for kind, count in traced.held.items() if kind != "device bytes"}
+    assert set(left) <= LEFT_BY_A_FAILED_RELEASE[call], f"leaked: {traced.held}"
+    assert all(count == 1 for count in left.values()), f"leaked: {traced.held}"
+    if "device bytes" in traced.held:
+        assert left.keys() & {"physical_handles", "plain_allocations"}, f"leaked: {traced.held}"
 
 
 @dataclass
@@ -70,36 +233,6 @@ def make_scenario() -> Scenario:
         ctypes.memmove(ptr, data, size)
         segments.append((ptr, size, backup, data))
     return Scenario(driver, allocator, segments)
-
-
-def clean_cycle_counts() -> dict[str, int]:
-    before = _C.get_pin_ahead()  # collection time: no fixture yet
-    _C.set_pin_ahead(False)
-    try:
-        scenario = make_scenario()
-        scenario.driver.reset_call_counts()
-        scenario.allocator.pause(TAG)
-        scenario.allocator.resume(TAG)
-        return dict(scenario.driver.call_counts())
-    finally:
-        _C.set_pin_ahead(before)
-
-
-CYCLE_COUNTS = clean_cycle_counts()
-SWEEP = [
-    pytest.param(call, n, id=f"{call}#{n}")
-    for call, count in sorted(CYCLE_COUNTS.items())
-    for n in range(1, count + 1)
-]
-
-
-def test_sweep_covers_every_call_of_a_cycle() -> None:
-    assert set(CYCLE_COUNTS) >= EXPECTED_CALLS
-    # Chunk-level work: 5 backed-up chunks copied each way, 7 chunks unmapped and mapped again.
-    assert CYCLE_COUNTS["copy_device_to_host"] == 5
-    assert CYCLE_COUNTS["copy_host_to_device"] == 5
-    assert CYCLE_COUNTS["unmap"] == CYCLE_COUNTS["map"] == 7
-    assert len(SWEEP) == sum(CYCLE_COUNTS.values())
 
 
 def assert_recovered(scenario: Scenario) -> None:
@@ -130,39 +263,6 @@ def assert_recovered(scenario: Scenario) -> None:
     assert driver.mapped_ranges() == 0
     assert driver.pinned_host_bytes() == 0
     assert driver.used_bytes() == 0
-
-
-@pytest.mark.parametrize(("call", "nth"), SWEEP)
-def test_failure_during_cycle(call: str, nth: int) -> None:
-    scenario = make_scenario()
-    driver, allocator = scenario.driver, scenario.allocator
-    driver.reset_call_counts()
-    driver.fail_on(call, nth)
-    failed_in = None
-    try:
-        allocator.pause(TAG)
-    except CudaError as error:
-        failed_in, message = "pause", str(error)
-    if failed_in is None:
-        try:
-            allocator.resume(TAG)
-        except CudaError as error:
-            failed_in, message = "resume", str(error)
-    assert driver.call_counts()[call] >= nth
-    assert failed_in is not None, f"the failing {call} #{nth} raised nothing"
-    assert f"sim {call} failed: injected fault" in message
-    assert message.startswith(f"{failed_in}('{TAG}') on device 0: ")
-
-    driver.clear_faults()
-    if failed_in == "pause":
-        allocator.pause(TAG)
-        assert allocator.is_paused(TAG)
-        assert driver.mapped_ranges() == 0
-    try:
-        allocator.resume(TAG)
-    except CudaError:
-        allocator.resume(TAG)
-    assert_recovered(scenario)
 
 
 def test_failed_resume_leaves_the_tag_paused() -> None:
@@ -334,3 +434,72 @@ def test_failed_free_is_counted_not_raised(driver, allocator) -> None:
     other = allocator.malloc(10 * MiB, tag="t")  # its address range is not handed out again
     assert other != ptr
     allocator.free(other)
+
+
+# Defects the sweep found, each pinned down on its own.
+
+
+def live(driver: _C.SimDriver) -> dict[str, int]:
+    return {kind: count for kind, count in driver.held().items() if count}
+
+
+def test_teardown_gives_back_the_rest_when_one_destroy_fails(make_pair) -> None:
+    driver, allocator = make_pair()
+    ptr = allocator.malloc(8 * MiB, tag=TAG, cpu_backup=True)
+    allocator.pause(TAG)
+    allocator.resume(TAG)  # the copy stream and its events, spare events of the pause
+    allocator.free(ptr)
+    allocator.release_host_cache()
+    assert live(driver)["streams"] == 1 and live(driver)["events"] >= 2
+    logged = _C.logged_count()
+    driver.fail_on("event_destroy", 1)
+    del allocator  # destroys the allocator (nothing else holds it)
+    assert live(driver) == {"events": 1}  # the one refused, not the ones after it
+    assert _C.logged_count() == logged + 1
+
+
+def test_a_backup_the_driver_refused_to_unpin_is_not_counted_as_the_pools(make_pair) -> None:
+    driver, allocator = make_pair()
+    ptr = allocator.malloc(4 * MiB, tag=TAG, cpu_backup=True)
+    allocator.pause(TAG)
+    assert allocator.stats()["host_pool_bytes.current"] == 4 * MiB
+    logged = _C.logged_count()
+    driver.fail_on("host_free_pinned", 1)
+    allocator.free(ptr)  # freed while paused: its backup goes, but the driver keeps it pinned
+    assert _C.logged_count() == logged + 1
+    assert allocator.stats()["host_pool_bytes.current"] == 0
+    assert driver.held()["pinned_buffers"] == 1
+
+
+def test_a_prefetch_whose_timing_cannot_be_recorded_says_so(make_pair) -> None:
+    driver, allocator = make_pair()
+    logged = _C.logged_count()
+    driver.fail_on("event_record", 2)  # the event after the populating prefetch
+    ptr = allocator.malloc(4 * MiB, mode="managed")
+    assert _C.logged_count() == logged + 1
+    assert allocator.stats()["prefetch_to_device_bytes.all"] == 4 * MiB  # the prefetch went out
+    allocator.free(ptr)
+
+
+def test_a_page_in_whose_copy_cannot_be_checked_says_so_and_keeps_its_buffer(make_pair) -> None:
+    driver, allocator = make_pair()
+    allocator.set_lms_limit(16 * MiB)
+    allocator.set_lms_headroom(0)
+    ptr = allocator.block_malloc(4 * MiB, mode="lms", stream=0x1000)
+    data = os.urandom(4 * MiB)
+    ctypes.memmove(ptr, data, 4 * MiB)
+    assert allocator.pin(ptr, 0x1000) and allocator.unpin(ptr)
+    allocator.reclaim_inactive()
+    assert allocator.pin(ptr, 0x1000)  # paged in: its copy back is in flight
+    logged = _C.logged_count()
+    driver.fail_on("event_query", 1)
+    allocator.unpin(ptr)  # retiring the page-in asks whether its copy is done, and fails
+    assert _C.logged_count() == logged + 1
+    assert allocator.stats()["lms_pageins_in_flight"] == 1  # a copy may still read the buffer
+    assert allocator.pin(ptr, 0x1000)  # asked again, and retired
+    assert allocator.stats()["lms_pageins_in_flight"] == 0
+    assert ctypes.string_at(ptr, 4 * MiB) == data
+    allocator.block_free(ptr)
+    allocator.empty_cache()
+    allocator.release_host_cache()
+    assert driver.pinned_host_bytes() == 0

@@ -334,6 +334,27 @@ def test_primitives_reject_an_unknown_device(driver: _C.SimDriver, call, device:
     assert driver.used_bytes() == 0
 
 
+def test_held_counts_every_live_object_by_kind(make_pair, pin_ahead_off) -> None:
+    driver, allocator = make_pair()
+    assert set(driver.held().values()) == {0}
+    vmm = allocator.malloc(6 * MiB, tag="t", cpu_backup=True)  # chunks of 4 + 2 MiB
+    plain = allocator.malloc(4096, mode="device")
+    managed = allocator.malloc(2 * MiB, mode="managed")  # populated: timing events
+    allocator.pause("t")  # a pinned backup; the copy stream and its events
+    allocator.resume("t")
+    held = driver.held()
+    assert held["reservations"] == 1
+    assert held["physical_handles"] == held["mappings"] == 2
+    assert held["plain_allocations"] == held["managed_allocations"] == 1
+    assert held["pinned_buffers"] == 1
+    assert held["streams"] == 1 and held["events"] >= 3
+    for ptr in (vmm, plain, managed):
+        allocator.free(ptr)
+    allocator.release_host_cache()
+    del allocator
+    assert set(driver.held().values()) == {0}
+
+
 def test_touching_paused_memory_faults() -> None:
     code = textwrap.dedent(
         """
