@@ -620,6 +620,8 @@ class LmsSession:
             for block in page_in:
                 self._page_in_making_room(block, ids)
             for index, block in enumerate(prefetch):
+                if self._planner.is_out(block):
+                    continue  # a victim of making room for a page-in above: it stays out
                 try:
                     self._page_in(block, prefetch=True)
                 except torch.OutOfMemoryError:
@@ -642,6 +644,11 @@ class LmsSession:
         if storage is None:  # died since: nothing to move
             if entry is not None:
                 self._drop(block)
+            return
+        if storage.nbytes() == 0 and entry.host is not None:
+            # Its bytes are on the host already: a prefetch the plan named but that has not run
+            # yet (making room for a page-in before it chose it as a victim) is given up.
+            self._out.add(block)
             return
         if storage.nbytes() != entry.nbytes:
             raise InvalidStateError(

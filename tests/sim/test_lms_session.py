@@ -303,3 +303,19 @@ def test_an_unknown_placement_is_refused():
     model, optimizer = make_model()
     with pytest.raises(errors.InvalidArgumentError, match="optimizer_state"):
         tus.lms_session(10**9, [model], [optimizer], device="cpu", optimizer_state="disk")
+
+
+def test_a_victim_whose_bytes_are_already_on_the_host_keeps_them():
+    # On the GPU a page-in that ran out of memory made room by choosing, as its victim, a block
+    # the same plan was about to prefetch: its storage was empty, its bytes on the host, and the
+    # page-out refused it as "resized outside the session". It is now given up, bytes kept.
+    t = torch.arange(4096, dtype=torch.float32)
+    session = tus.lms_session(10**9, device="cpu", budget=10**8, min_bytes=SMALL)
+    session.add(t)
+    block = t.untyped_storage()._cdata
+    session._page_out(block)
+    session._page_out(block)  # chosen again before its page-in ran
+    assert t.untyped_storage().nbytes() == 0
+    session._page_in(block, prefetch=False)
+    assert torch.equal(t, torch.arange(4096, dtype=torch.float32))
+    session.close()
