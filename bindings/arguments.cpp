@@ -136,6 +136,15 @@ void bind_arguments(py::module_& module) {
       py::arg("call"), py::arg("name"), py::arg("value"),
       "`value` if it is True or False; else a TypeError naming `call` and `name`.");
   module.def(
+      "check_whole_number",
+      [](const std::string& call, const std::string& name, const IntArgument& value,
+         const std::string& unit) {
+        return whole_number({call.c_str(), name.c_str()}, value, unit.c_str());
+      },
+      py::arg("call"), py::arg("name"), py::arg("value"), py::arg("unit") = "bytes",
+      "`value` if it is a whole number from 0 to 2**64 - 1 counting `unit`; else TypeError or "
+      "InvalidArgumentError naming `call` and `name`.");
+  module.def(
       "check_region",
       [](const std::string& call, const TextArgument& mode, const TextArgument& tag_value,
          const FlagArgument& cpu_backup, const OptionalTextArgument& preferred,

@@ -1,8 +1,8 @@
 // Python arguments as the core's types: the one place where each kind of argument is checked
 // (ARCHITECTURE.md, decision 11). The Python API forwards what its caller passed, and the binding
 // converts it here; where Python must hold a value itself (a backup policy kept for allocators
-// made later, advise's read_mostly) it asks through _C.check_tag, _C.check_flag and
-// _C.check_region, which are these same functions.
+// made later, advise's read_mostly, lms_session's options) it asks through _C.check_tag,
+// _C.check_flag, _C.check_whole_number and _C.check_region, which are these same functions.
 //
 // Note [Argument errors]
 //  A value of the wrong type raises TypeError; a value of the right type that the call cannot
@@ -53,7 +53,7 @@ std::string tag(const char* call, pybind11::handle value);
 // A str.
 std::string text(Argument argument, pybind11::handle value);
 
-// _C.check_tag, _C.check_flag and _C.check_region.
+// _C.check_tag, _C.check_flag, _C.check_whole_number and _C.check_region.
 void bind_arguments(pybind11::module_& module);
 
 }  // namespace tus::bindings

@@ -29,6 +29,7 @@ __all__: list[str] = [
     "check_flag",
     "check_region",
     "check_tag",
+    "check_whole_number",
     "clear_thread_region",
     "default_backup_policy",
     "disk_backup_chunk_bytes",
@@ -534,6 +535,11 @@ def check_region(
 def check_tag(call: str, tag: str) -> str:
     """
     `tag` if it is a tag (a non-empty string); else TypeError or InvalidArgumentError naming `call` (Note [Argument errors] in bindings/arguments.h).
+    """
+
+def check_whole_number(call: str, name: str, value: int, unit: str = "bytes") -> int:
+    """
+    `value` if it is a whole number from 0 to 2**64 - 1 counting `unit`; else TypeError or InvalidArgumentError naming `call` and `name`.
     """
 
 def clear_thread_region() -> None:

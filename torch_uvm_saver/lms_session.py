@@ -252,6 +252,20 @@ class LmsSession:
         expandable_segments: bool = True,
         optimizer_state: str = "device",
     ) -> None:
+        # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
+        # between the numbers here.
+        limit = _C.check_whole_number("lms_session", "limit", limit)
+        if budget is not None:
+            budget = _C.check_whole_number("lms_session", "budget", budget)
+        min_bytes = _C.check_whole_number("lms_session", "min_bytes", min_bytes)
+        if prefetch_depth is not None:
+            prefetch_depth = _C.check_whole_number(
+                "lms_session", "prefetch_depth", prefetch_depth, "operators"
+            )
+        quiet = _C.check_flag("lms_session", "quiet", quiet)
+        expandable_segments = _C.check_flag(
+            "lms_session", "expandable_segments", expandable_segments
+        )
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
         if budget is not None and not 0 < budget <= limit:
@@ -260,10 +274,6 @@ class LmsSession:
             )
         if min_bytes < 1:
             raise InvalidArgumentError(f"lms_session: min_bytes must be >= 1, got {min_bytes}")
-        if prefetch_depth is not None and prefetch_depth < 0:
-            raise InvalidArgumentError(
-                f"lms_session: prefetch_depth must be >= 0, got {prefetch_depth}"
-            )
         self.device = _resolve_device(device)
         self.limit = int(limit)
         self.min_bytes = int(min_bytes)
@@ -284,6 +294,11 @@ class LmsSession:
         self._expandable = bool(expandable_segments)
         if optimizer_state == "auto":
             optimizer_state = suggest_placement(modules, self._optimizers, limit)["optimizer_state"]
+        if not isinstance(optimizer_state, str):
+            raise TypeError(
+                f"lms_session(optimizer_state): expected a string, got {optimizer_state!r} "
+                f"({type(optimizer_state).__name__})"
+            )
         if optimizer_state not in PLACEMENTS:
             raise InvalidArgumentError(
                 f"lms_session: optimizer_state must be one of {', '.join(PLACEMENTS)} or 'auto', "

@@ -77,6 +77,10 @@ ROWS: list[Row] = [
     Row("a number of bytes", "tus.set_headroom_lms('auto')", TypeError, "set_headroom_lms(headroom): expected an int (a number of bytes) or None"),
     Row("a number of bytes", "tus.set_disk_backup_chunk_bytes(1.5)", TypeError, "set_disk_backup_chunk_bytes(nbytes): expected an int"),
     Row("a number of bytes", "tus.set_disk_backup_chunk_bytes(-4096)", InvalidArgumentError, "set_disk_backup_chunk_bytes(nbytes): expected a number of bytes >= 0"),
+    Row("a number of bytes", "tus.lms_session('8GiB')", TypeError, "lms_session(limit): expected an int (a number of bytes), got '8GiB' (str)"),
+    Row("a number of bytes", "tus.lms_session(2**30, budget=1.5)", TypeError, "lms_session(budget): expected an int (a number of bytes), got 1.5 (float)"),
+    Row("a number of bytes", "tus.lms_session(0)", InvalidArgumentError, "lms_session: the limit must be > 0 bytes, got 0"),
+    Row("a number of bytes", "tus.lms_session(2**30, prefetch_depth=-1)", InvalidArgumentError, "lms_session(prefetch_depth): expected a number of operators >= 0, got -1"),
     Row("a number of blocks", "tus.set_prefetch_lms(-1)", InvalidArgumentError, "set_prefetch_lms(depth): expected a number of blocks >= 0"),
     Row("a number of blocks", "tus.set_prefetch_lms(2.0)", TypeError, "set_prefetch_lms(depth): expected an int (a number of blocks)"),
     # Flags: True or False, nothing else (bindings/arguments.h).
@@ -89,6 +93,7 @@ ROWS: list[Row] = [
     Row("a flag", "tus.set_enabled_lms('no')", TypeError, "set_enabled_lms(enabled): expected True or False"),
     Row("a flag", "tus.region('r', enable_cpu_backup='yes')", TypeError, "region(enable_cpu_backup): expected True or False"),
     Row("a flag", "tus.region('r', mode='managed', read_mostly='yes')", TypeError, "region(read_mostly): expected True or False"),
+    Row("a flag", "tus.lms_session(2**30, quiet='no')", TypeError, "lms_session(quiet): expected True or False"),
     # Devices: Python reads PyTorch's spellings, the native registry checks the index.
     Row("a device", "tus.memory_stats(device='bogus')", InvalidArgumentError, "device: 'bogus' is not a device; expected an index, 'cuda', 'cuda:<index>' or a torch.device"),
     Row("a device", "tus.memory_stats(device=1.5)", TypeError, "device: expected an index, 'cuda', 'cuda:<index>' or a torch.device, got 1.5 (float)"),
