@@ -97,6 +97,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
+from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
 
 __all__ = ["LmsSession", "lms_session", "suggest_placement"]
 
@@ -105,6 +106,7 @@ DEFAULT_MIN_BYTES = 1 * MiB
 DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
 QUIET_HEADROOM_DIVISOR = 16  # quiet only while the allocator stayed under limit - limit / 16
 OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is left to free
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
 _ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -176,16 +178,6 @@ class _Saved:
         # At interpreter exit the session, or torch, may be half torn down: never raise here.
         with contextlib.suppress(Exception):
             session._release_saved(self.block, self.tensor)
-
-
-_views: dict[object, bool] = {}
-
-
-def _is_view(func: object) -> bool:
-    view = _views.get(func)
-    if view is None:
-        view = _views[func] = bool(getattr(func, "is_view", False))
-    return view
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -785,10 +777,9 @@ class LmsSession:
     def _current_stream(self) -> torch.cuda.Stream:
         """torch.cuda.current_stream(device), without its tens of microseconds of argument
         handling on every operator: the raw handle is one call, its Stream object cached."""
-        raw_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw_of is None:
+        if _RAW_STREAM is None:
             return torch.cuda.current_stream(self.device)
-        raw = raw_of(self.device.index)
+        raw = _RAW_STREAM(self.device.index)
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
