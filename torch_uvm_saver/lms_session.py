@@ -11,7 +11,8 @@
     session.close()                         # everything back on the device, hooks removed
 
 It runs on PyTorch's own allocator: nothing to install before CUDA starts, no hook mode. The
-limit caps the device memory PyTorch's allocator may hold (its per-process memory fraction),
+limit caps the device memory PyTorch's allocator may hold (its per-process memory fraction,
+set 20 MiB lower while expandable segments are on: see EXPANDABLE_STEP),
 and the session keeps the storages it manages under a budget below that limit by paging the
 ones needed furthest ahead out to pinned host memory and back in, wherever the allocator has
 room, just before an operator reads them (Note [Relocating LMS] in
@@ -106,6 +107,11 @@ DEFAULT_MIN_BYTES = 1 * MiB
 DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
 QUIET_HEADROOM_DIVISOR = 16  # quiet only while the allocator stayed under limit - limit / 16
 OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is left to free
+# PyTorch checks its memory fraction against a request's rounded size, but an expandable segment
+# of the large pool maps memory 20 MiB at a time, so what the allocator holds can pass the
+# fraction by up to one such step (1 and 2.7 MiB over were seen on an H200). With expandable
+# segments the fraction is set that much below the limit, so the limit holds as stated.
+EXPANDABLE_STEP = 20 * MiB
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
 _ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -410,7 +416,7 @@ class LmsSession:
             self.fetch_all()
         except BaseException:
             if limited:  # still open: the limit stays what the caller set
-                torch.cuda.set_per_process_memory_fraction(self.limit / self._total, self.device)
+                self._set_fraction()
             raise
         for handle in self._handles:
             handle.remove()
@@ -803,7 +809,14 @@ class LmsSession:
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         self._previous_fraction = float(getter(self.device)) if getter is not None else 1.0
         self._total = total
-        torch.cuda.set_per_process_memory_fraction(self.limit / total, self.device)
+        self._set_fraction()
+
+    def _set_fraction(self) -> None:
+        expandable = self._expandable_turned_on or (
+            "expandable_segments:true" in _allocator_settings()
+        )
+        allowed = max(0, self.limit - EXPANDABLE_STEP) if expandable else self.limit
+        torch.cuda.set_per_process_memory_fraction(allowed / self._total, self.device)
 
 
 class _Busy:

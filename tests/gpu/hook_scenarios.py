@@ -251,9 +251,22 @@ def two_devices_pause_independently() -> None:
             tensors.append(torch.full((GiB,), device + 7, dtype=torch.uint8, device=device))
     free0 = torch.cuda.mem_get_info(0)[0]
     free1 = torch.cuda.mem_get_info(1)[0]
-    tus._native.allocator(1).pause("w")  # one device only
-    assert torch.cuda.mem_get_info(1)[0] - free1 >= GiB
-    assert abs(torch.cuda.mem_get_info(0)[0] - free0) < 64 * MiB
+    freed = tus._native.allocator(1).pause("w")  # one device only
+    gained = [torch.cuda.mem_get_info(d)[0] - f for d, f in ((0, free0), (1, free1))]
+    print(
+        f"pause on device 1 freed {freed / MiB:.0f} MiB; free memory gained per device (MiB):",
+        [g / MiB for g in gained],
+    )
+    for device in (0, 1):
+        stats = tus.memory_stats(device)
+        print(
+            device,
+            {k: v for k, v in stats.items() if "tag:w" in k and k.endswith(".current") and v},
+        )
+    # The driver keeps a few MiB of its own on the first release (1,020 of 1,024 MiB came
+    # back on an H200); what matters is that device 1 got its gigabyte and device 0 nothing.
+    assert freed >= GiB and gained[1] >= GiB - 16 * MiB
+    assert abs(gained[0]) < 64 * MiB
     assert int(tensors[0][0]) == 7
     tus.resume("w")
     assert [int(t[-1]) for t in tensors] == [7, 8]

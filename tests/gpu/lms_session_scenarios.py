@@ -94,8 +94,12 @@ def check_same_training(expected, got) -> None:
 
 @scenario
 def session_trains_under_half_the_peak_bit_for_bit() -> None:
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
     expected = reference()
-    limit = expected[2] // 2
+    # PyTorch may hold half the peak: the session keeps its fraction one expandable-segment
+    # step below the limit, so that a mapping step cannot take it past the limit.
+    limit = expected[2] // 2 + EXPANDABLE_STEP
     got = limited(limit)
     stats = got[3]
     print(
@@ -110,9 +114,11 @@ def session_trains_under_half_the_peak_bit_for_bit() -> None:
 
 @scenario
 def checkpointing_and_session_compose() -> None:
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
     expected = reference(checkpoint=True)
     plain_peak = reference()[2]
-    limit = plain_peak // 3
+    limit = plain_peak // 3 + EXPANDABLE_STEP  # a third of it for PyTorch, as above
     got = limited(limit, checkpoint=True)
     print(
         f"checkpointing alone {expected[2] / MiB:.0f} MiB, with the session "
