@@ -136,6 +136,22 @@ def pin_ahead_off() -> Iterator[None]:
     _C.set_pin_ahead(before)
 
 
+@pytest.fixture(scope="session")
+def under_sanitizer() -> bool:
+    """True when a sanitizer's runtime is loaded (scripts/sanitize_check.sh preloads it): the
+    runtime maps memory for itself as it goes, and everything runs several times slower."""
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    return "libasan" in mapped or "libtsan" in mapped
+
+
+@pytest.fixture(scope="session")
+def slowdown(under_sanitizer: bool) -> int:
+    """What a time bound of a test is multiplied by: sanitizers slow everything down 5-15 times,
+    the interpreter's thread switches included."""
+    return 10 if under_sanitizer else 1
+
+
 @pytest.fixture
 def process() -> Iterator[tuple[_C.SimDriver, _C.Allocator]]:
     """A fresh SimDriver installed as the process driver (what the package's functions use);

@@ -236,8 +236,8 @@ def test_pause_raises_as_before_when_its_own_pin_fails_too(driver, allocator, fi
     assert peek(ptr, 10 * MiB) == data
 
 
-def test_early_pause_waits_for_the_buffer_being_pinned_for_it(driver, allocator) -> None:
-    delay = 0.4
+def test_early_pause_waits_for_the_buffer_being_pinned_for_it(driver, allocator, slowdown) -> None:
+    delay = 0.4 * slowdown
     driver.set_call_delay("host_alloc_pinned", delay)
     allocator.malloc(8 * MiB, tag="t", cpu_backup=True)
     time.sleep(delay / 4)  # the worker is inside host_alloc_pinned for it
@@ -251,8 +251,10 @@ def test_early_pause_waits_for_the_buffer_being_pinned_for_it(driver, allocator)
     assert elapsed < delay  # only the rest of the pin in flight
 
 
-def test_early_pause_does_not_wait_for_a_buffer_it_does_not_need(driver, allocator) -> None:
-    delay = 0.5
+def test_early_pause_does_not_wait_for_a_buffer_it_does_not_need(
+    driver, allocator, slowdown
+) -> None:
+    delay = 0.5 * slowdown
     driver.set_call_delay("host_alloc_pinned", delay)
     allocator.malloc(2 * MiB, tag="other", cpu_backup=True)  # the worker pins this one first
     allocator.malloc(8 * MiB, tag="t", cpu_backup=True)

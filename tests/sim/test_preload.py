@@ -48,7 +48,9 @@ def run_child(body: str, **environment: str) -> subprocess.CompletedProcess:
         for key, value in os.environ.items()
         if not key.startswith(("TMS_", "TUS_PRELOAD", "TUS_CPU_BACKUP", "TUS_RETAIN"))
     }
-    env.update(TUS_DRIVER="sim", LD_PRELOAD=tus.preload_library_path(), **environment)
+    # What LD_PRELOAD held first stays first: a sanitizer's runtime (scripts/sanitize_check.sh).
+    preload = ":".join(filter(None, [os.environ.get("LD_PRELOAD"), tus.preload_library_path()]))
+    env.update(TUS_DRIVER="sim", LD_PRELOAD=preload, **environment)
     code = CHILD_PRELUDE + textwrap.dedent(body) + "\nprint('CHILD OK')\n"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
