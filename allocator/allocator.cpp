@@ -64,6 +64,7 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       managed_residency_(*driver_, device, managed_, stats_),
       lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this),
+      lms_control_(lms_, blocks_, stats_, *this),
       snapshots_(*driver_, device, copies_, host_buffers_, options.snapshot_slab_bytes) {
   if (device < 0) TUS_THROW(InvalidArgument, "device must be >= 0, got " << device);
   HostBufferPool::pin_ahead();  // a TUS_PIN_AHEAD it cannot read fails here, not in a malloc
@@ -159,7 +160,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     tag_state.policy.pinned = region.host_backup == HostBackup::kPinned;
     tag_state.policy.disk = false;
   }
-  if (region.mode == Mode::kLms) make_room_for_lms_locked(segment->size, region.tag);
+  if (region.mode == Mode::kLms) lms_control_.make_room(segment->size, region.tag);
   try {
     backing.allocate(*segment);
   } catch (const OutOfMemory& error) {
@@ -173,10 +174,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
   if (placed.on_managed_memory()) managed_residency_.admit(placed, stream);
-  if (placed.mode == Mode::kLms) {
-    lms_.admit(placed, single_block, stream);
-    keep_lms_headroom_locked();
-  }
+  if (placed.mode == Mode::kLms) lms_control_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
     try {
       enforce_budget_locked(&placed, stream);
@@ -265,8 +263,7 @@ void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
 
 void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
   if (segment.mode == Mode::kLms) {
-    make_room_for_page_in_locked(segment);
-    lms_.reuse(segment, stream);  // a page-in that fails fails the allocation
+    lms_control_.reuse(segment, stream);
     return;
   }
   if (segment.mode != Mode::kManaged) return;
@@ -760,22 +757,7 @@ StatsDict Allocator::stats() {
   out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
   out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
   out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
-  out["lms_limit_bytes"] = static_cast<std::int64_t>(lms_.limit_setting());
-  out["lms_size_bytes"] = static_cast<std::int64_t>(lms_.size());
-  out["lms_inactive_bytes"] = static_cast<std::int64_t>(lms_.inactive_bytes());
-  out["lms_pageins_in_flight"] = static_cast<std::int64_t>(pauser_.async_in_flight());
-  out["lms_paging_out_bytes"] = static_cast<std::int64_t>(lms_.paging_out_bytes());
-  out["lms_ladder_pageouts"] = static_cast<std::int64_t>(lms_.ladder_pageouts());
-  out["lms_speculation"] = static_cast<std::int64_t>(lms_.speculation());
-  out["lms_prefetch_depth"] = static_cast<std::int64_t>(lms_.prefetch_depth());
-  out["lms_headroom_bytes"] = static_cast<std::int64_t>(lms_.headroom(lms_.resolved_limit()));
-  const AllocDistribution& distribution = lms_.distribution();
-  out["alloc_distribution.freelist"] = distribution.freelist;
-  out["alloc_distribution.cudamalloc"] = distribution.cudamalloc;
-  out["alloc_distribution.reclaim_one"] = distribution.reclaim_one;
-  out["alloc_distribution.reclaim_fragments"] = distribution.reclaim_fragments;
-  out["alloc_distribution.reclaim_all"] = distribution.reclaim_all;
-  out["alloc_distribution.cudamalloc_retry"] = distribution.cudamalloc_retry;
+  lms_control_.add_stats(out, pauser_.async_in_flight());
   return out;
 }
 

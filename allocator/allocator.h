@@ -79,6 +79,7 @@
 #include "allocator/residency/copy_engine.h"
 #include "allocator/residency/disk_backup.h"
 #include "allocator/residency/host_buffer_pool.h"
+#include "allocator/residency/lms_controller.h"
 #include "allocator/residency/lms_residency.h"
 #include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
@@ -113,7 +114,7 @@ struct SegmentInfo {
   bool has_backup = false;
 };
 
-class Allocator final : private SegmentSource, private SnapshotSpans {
+class Allocator final : private SegmentSource, private SnapshotSpans, private SegmentLookup {
  public:
   Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOptions options = {});
   ~Allocator();
@@ -247,23 +248,14 @@ class Allocator final : private SegmentSource, private SnapshotSpans {
   std::vector<Segment*> segments_of_mode_locked(Mode mode);
   Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
                                    const RegionConfig& region, bool single_block = false);
-  // Note [The allocation ladder] in lms_residency.h, steps 2 to 4, before an `lms` segment.
-  void make_room_for_lms_locked(std::size_t size, const std::string& tag, bool for_page_in = false);
-  OutOfMemory lms_out_of_memory_locked(std::size_t size, const std::string& tag, std::size_t limit,
-                                       bool for_page_in);
-  void make_room_for_page_in_locked(Segment& segment);
-  void keep_lms_headroom_locked();
-  void prefetch_ahead_locked(StreamHandle stream);
-  bool pin_locked(DevicePtr ptr, StreamHandle stream);
-  // `strict`: unpinning a block that is not pinned throws InvalidState (else returns false).
-  bool unpin_locked(DevicePtr ptr, bool strict);
-  std::size_t held_locked() const;  // device memory held, every mode
   void count_oom_locked(const RegionConfig& region);
   [[noreturn]] void throw_size_overflow(const char* call, std::size_t size,
                                         const RegionConfig& region,
                                         const SizeOverflow& error) const;
   void free_locked(DevicePtr ptr) noexcept;
   Segment* segment_containing_locked(DevicePtr ptr);
+  // SegmentLookup, for the LmsController; called with the mutex held.
+  Segment* segment_containing(DevicePtr ptr) override { return segment_containing_locked(ptr); }
   std::vector<Segment*> managed_segments_locked();
   void enforce_budget_locked(const Segment* just_used, StreamHandle stream);
   // SegmentSource, for the BlockCache; called with the mutex held.
@@ -310,6 +302,7 @@ class Allocator final : private SegmentSource, private SnapshotSpans {
   ManagedResidency managed_residency_;
   LmsResidency lms_;
   BlockCache blocks_;
+  LmsController lms_control_;  // when LMS pages: the policy over lms_ and blocks_
   bool lms_on_managed_ = false;
   SnapshotStore snapshots_;  // last: its storage goes back to the pool before the pool goes
 };

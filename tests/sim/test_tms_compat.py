@@ -150,6 +150,31 @@ def test_bad_settings_raise_clear_errors() -> None:
         pass
 
 
+def test_backends_of_other_platforms_are_refused_as_torch_memory_saver_refuses_them(
+    monkeypatch,
+) -> None:
+    import torch
+
+    from torch_uvm_saver.tms_compat import entrypoint
+
+    saver = TorchMemorySaver()
+    monkeypatch.setattr(entrypoint, "is_xpu", lambda: True)
+    for backend in ("pinned", "mmap"):
+        with (
+            pytest.raises(InvalidArgumentError, match="not supported on XPU"),
+            saver.region(enable_cpu_backup=True, cpu_backup_backend=backend),
+        ):
+            pass
+    monkeypatch.setattr(entrypoint, "is_xpu", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    with (
+        pytest.raises(InvalidArgumentError, match="not supported on ROCm"),
+        saver.region(enable_cpu_backup=True, cpu_backup_backend="mmap"),
+    ):
+        pass
+    assert not utils.is_xpu()  # and on the platform it runs on, neither applies
+
+
 def test_pause_and_resume_are_refused_while_a_capture_is_open() -> None:
     from torch_uvm_saver.capture import counted_capture
 
