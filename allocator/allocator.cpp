@@ -17,8 +17,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::string quoted(const std::string& text) { return "'" + text + "'"; }
-
 // What a pause or resume did to the segments it touched. The stats follow from the footprints,
 // taken before and after whether or not the operation threw (a failure can leave some chunks
 // done and others not).

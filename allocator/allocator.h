@@ -85,6 +85,7 @@
 #include "allocator/residency/pause_controller.h"
 #include "allocator/residency/snapshot_store.h"
 #include "allocator/segment.h"
+#include "allocator/sharing/shared_mapping.h"
 #include "allocator/stats/stats.h"
 
 namespace tus {
@@ -211,6 +212,12 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   // DiskBackup::fail_on, for tests of IO failures.
   void fail_disk_io_on(const std::string& op, int nth, int error);
   void clear_disk_faults();
+
+  // Sharing a tag with other processes (Note [Sharing] in sharing/shared_mapping.h;
+  // allocator_sharing.cpp): a descriptor for each chunk of each of the tag's segments, in address
+  // order; the caller owns and closes them. Refused (InvalidArgument) for an unknown tag or one
+  // with memory of another mode, (InvalidState) for a paused tag.
+  std::vector<SharedSegment> export_tag(const std::string& tag);
 
   // Named weight snapshots (residency/snapshot_store.h; allocator_snapshots.cpp). snapshot_tag
   // takes every live allocation of `tag`, one entry per segment. restore_snapshot's `current`

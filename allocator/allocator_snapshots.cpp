@@ -11,8 +11,6 @@ namespace tus {
 
 namespace {
 
-std::string quoted(const std::string& text) { return "'" + text + "'"; }
-
 std::string segment_entry_name(const Segment& segment) {
   return "segment " + hex_address(segment.ptr);
 }

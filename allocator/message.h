@@ -53,6 +53,9 @@ class Message {
   std::string text_;
 };
 
+// 'text', as messages name tags and snapshots (a tag may be any string, "" included).
+inline std::string quoted(const std::string& text) { return "'" + text + "'"; }
+
 // "0x7f12a4000000"
 inline std::string hex_address(std::uintptr_t address) {
   char buffer[24];

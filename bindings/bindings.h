@@ -14,5 +14,7 @@ void bind_relocation(pybind11::module_& module);
 void bind_arguments(pybind11::module_& module);
 // Adds the snapshot methods to the Allocator class bind_allocator made.
 void bind_snapshots(pybind11::module_& module);
+// Adds export_tag to the Allocator class and the SharedMapping class.
+void bind_sharing(pybind11::module_& module);
 
 }  // namespace tus::bindings

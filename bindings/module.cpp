@@ -8,6 +8,7 @@ PYBIND11_MODULE(_C, module) {
   tus::bindings::bind_drivers(module);
   tus::bindings::bind_allocator(module);
   tus::bindings::bind_snapshots(module);
+  tus::bindings::bind_sharing(module);
   tus::bindings::bind_registry(module);
   tus::bindings::bind_alias(module);
   tus::bindings::bind_relocation(module);

@@ -22,6 +22,7 @@ __all__: list[str] = [
     "Driver",
     "RegionState",
     "RelocationPlanner",
+    "SharedMapping",
     "SimDriver",
     "alias_capsule",
     "allocators",
@@ -248,6 +249,10 @@ class Allocator:
         """
     def enter_region(self, tag: str, mode: str = "vmm", cpu_backup: bool = False) -> None: ...
     def exit_region(self, tag: str) -> None: ...
+    def export_tag(self, tag: str) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """
+        (address, size, [(offset, size, fd), ...]) for each segment of `tag`, the fds exported for another process (the caller closes them).
+        """
     def fail_disk_io_on(
         self,
         op: str,
@@ -425,6 +430,52 @@ class Allocator:
     def device(self) -> int: ...
     @property
     def driver(self) -> Driver: ...
+
+class SharedMapping:
+    """
+    Another process's shared tag, mapped here at addresses of this process's own.
+    """
+    def __init__(self, device: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def add(
+        self,
+        size: typing.SupportsInt | typing.SupportsIndex,
+        chunks: collections.abc.Sequence[
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+            ]
+        ],
+    ) -> int:
+        """
+        Map one segment's chunks at a new address range; returns its base address.
+        """
+    def close(self) -> None: ...
+    def remap(
+        self,
+        segments: collections.abc.Sequence[
+            collections.abc.Sequence[
+                tuple[
+                    typing.SupportsInt | typing.SupportsIndex,
+                    typing.SupportsInt | typing.SupportsIndex,
+                    typing.SupportsInt | typing.SupportsIndex,
+                ]
+            ]
+        ],
+    ) -> None:
+        """
+        Map the owner's new memory at the same addresses.
+        """
+    def unmap(self) -> None:
+        """
+        Unmap every segment and release the imported memory; the addresses stay.
+        """
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+    @property
+    def mapped(self) -> bool: ...
 
 class RegionState:
     """

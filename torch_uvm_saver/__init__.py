@@ -84,6 +84,7 @@ from .residency import (
     set_disk_backup_dir,
     set_pin_ahead,
 )
+from .sharing import Attachment, Share, attach, share
 from .snapshots import drop_snapshot, list_snapshots, restore, snapshot
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats
 from .tms_compat import torch_memory_saver
@@ -91,14 +92,17 @@ from .tms_compat import torch_memory_saver
 __version__ = "0.2.0"
 
 __all__ = [
+    "Attachment",
     "CudaError",
     "InvalidArgumentError",
     "InvalidStateError",
     "LmsSession",
     "OutOfMemoryError",
     "ParameterPins",
+    "Share",
     "TusError",
     "advise",
+    "attach",
     "cuda_graph",
     "disable",
     "drop_snapshot",
@@ -154,6 +158,7 @@ __all__ = [
     "set_prefetch_lms",
     "set_size_lms",
     "set_speculation_lms",
+    "share",
     "snapshot",
     "suggest_placement",
     "to",

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from . import _C, _native
+from . import _C, _native, sharing
 from .capture import refuse_during_capture
 from .errors import InvalidArgumentError
 
@@ -73,9 +73,15 @@ def pause(tag: str | None = None) -> int:
             (Note [Pausing during capture] in capture.py).
         CudaError: a driver call failed; the message says whether the tag is partly paused.
             Nothing with a backup is lost; call ``pause`` or ``resume`` again.
+
+    A tag shared with other processes (``share``) pauses once each attached process has
+    unmapped it; one that lives but does not answer within the share's ``timeout_s`` fails the
+    pause with ``InvalidStateError`` naming its process id, and nothing is paused.
     """
     refuse_during_capture("pause")
-    return sum(allocator.pause(tag) for allocator in _owners(tag, "pause"))
+    owners = _owners(tag, "pause")
+    with sharing.pausing(tag):  # processes attached to a shared tag unmap first
+        return sum(allocator.pause(tag) for allocator in owners)
 
 
 def resume(tag: str | None = None) -> int:
@@ -89,7 +95,9 @@ def resume(tag: str | None = None) -> int:
         InvalidArgumentError: unknown tag.
     """
     refuse_during_capture("resume")
-    return sum(allocator.resume(tag) for allocator in _owners(tag, "resume"))
+    resumed = sum(allocator.resume(tag) for allocator in _owners(tag, "resume"))
+    sharing.resumed(tag)  # processes attached to a shared tag map the new memory
+    return resumed
 
 
 def is_paused(tag: str) -> bool:

@@ -20,6 +20,7 @@ namespace tus {
   X(cuGetErrorName, 6000)                  \
   X(cuDeviceGet, 2000)                     \
   X(cuDeviceGetCount, 2000)                \
+  X(cuDeviceGetAttribute, 2000)            \
   X(cuDevicePrimaryCtxRetain, 7000)        \
   X(cuCtxGetCurrent, 4000)                 \
   X(cuCtxSetCurrent, 4000)                 \
@@ -33,6 +34,8 @@ namespace tus {
   X(cuMemMap, 10020)                       \
   X(cuMemUnmap, 10020)                     \
   X(cuMemSetAccess, 10020)                 \
+  X(cuMemExportToShareableHandle, 10020)   \
+  X(cuMemImportFromShareableHandle, 10020) \
   X(cuMemAlloc, 3020)                      \
   X(cuMemFree, 3020)                       \
   X(cuMemAllocManaged, 6000)               \
@@ -271,8 +274,38 @@ void CudaDriver::free_address(int device, DevicePtr ptr, std::size_t size) {
 PhysHandle CudaDriver::create_physical(int device, std::size_t size) {
   ContextGuard guard(*this, device);
   CUmemAllocationProp prop = device_allocation_prop(device);
+  // Exportable where the device allows it, so that any tag can be shared later (Note [Sharing]);
+  // asking costs nothing measurable at cuMemCreate.
+  if (exportable_[device] == 0) {
+    int supported = 0;
+    const CUresult asked = api().cuDeviceGetAttribute(
+        &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device);
+    exportable_[device] = asked == CUDA_SUCCESS && supported != 0 ? 1 : -1;
+  }
+  if (exportable_[device] > 0) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   CUmemGenericAllocationHandle handle = 0;
   check(api(), api().cuMemCreate(&handle, size, &prop, 0), "cuMemCreate", bytes_on(size, device));
+  return static_cast<PhysHandle>(handle);
+}
+
+int CudaDriver::export_physical(int device, PhysHandle handle) {
+  ContextGuard guard(*this, device);
+  int fd = -1;
+  check(api(),
+        api().cuMemExportToShareableHandle(&fd, static_cast<CUmemGenericAllocationHandle>(handle),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+        "cuMemExportToShareableHandle", "device " + std::to_string(device));
+  return fd;
+}
+
+PhysHandle CudaDriver::import_physical(int device, int fd) {
+  ContextGuard guard(*this, device);
+  CUmemGenericAllocationHandle handle = 0;
+  void* shareable = reinterpret_cast<void*>(static_cast<std::intptr_t>(fd));
+  check(api(),
+        api().cuMemImportFromShareableHandle(&handle, shareable,
+                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        "cuMemImportFromShareableHandle", "device " + std::to_string(device));
   return static_cast<PhysHandle>(handle);
 }
 

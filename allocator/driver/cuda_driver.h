@@ -28,6 +28,8 @@ class CudaDriver final : public Driver {
   DevicePtr reserve_address(int device, std::size_t size) override;
   void free_address(int device, DevicePtr ptr, std::size_t size) override;
   PhysHandle create_physical(int device, std::size_t size) override;
+  int export_physical(int device, PhysHandle handle) override;
+  PhysHandle import_physical(int device, int fd) override;
   void release_physical(int device, PhysHandle handle) override;
   void map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) override;
   void unmap(int device, DevicePtr ptr, std::size_t size) override;
@@ -77,6 +79,8 @@ class CudaDriver final : public Driver {
   static constexpr int kMaxDevices = 64;
   void* primary_contexts_[kMaxDevices] = {};
   std::size_t granularity_[kMaxDevices] = {};
+  // Per device: 0 not asked yet, 1 its memory can be exported as a file descriptor, -1 not.
+  int exportable_[kMaxDevices] = {};
 };
 
 }  // namespace tus

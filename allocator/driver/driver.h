@@ -58,6 +58,12 @@ class Driver {
   virtual void map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) = 0;
   virtual void unmap(int device, DevicePtr ptr, std::size_t size) = 0;
   virtual void set_access(int device, DevicePtr ptr, std::size_t size) = 0;
+  // Sharing physical memory with another process (Note [Sharing] in sharing/shared_mapping.h):
+  // a POSIX file descriptor for `handle`'s memory, owned by the caller (throws where the device
+  // cannot export); and a handle to the memory behind a descriptor another process exported,
+  // mapped and released like any handle (the descriptor stays the caller's).
+  virtual int export_physical(int device, PhysHandle handle) = 0;
+  virtual PhysHandle import_physical(int device, int fd) = 0;
 
   // Plain device memory (the baseline `device` mode).
   virtual DevicePtr mem_alloc(int device, std::size_t size) = 0;

@@ -1,6 +1,8 @@
 #include "allocator/driver/sim_driver.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -254,8 +256,36 @@ void SimDriver::drop_physical_if_unused_locked(PhysHandle handle) {
   auto it = physicals_.find(handle);
   if (it == physicals_.end() || !it->second.released || it->second.map_count > 0) return;
   close(it->second.fd);
-  used_[static_cast<std::size_t>(it->second.device)] -= it->second.size;
+  if (!it->second.imported) used_[static_cast<std::size_t>(it->second.device)] -= it->second.size;
   physicals_.erase(it);
+}
+
+// The simulated physical memory is a memfd: exporting hands out a duplicate of it, and another
+// process that maps the duplicate shares the bytes, as two processes share a GPU's memory.
+int SimDriver::export_physical(int device, PhysHandle handle) {
+  auto lock = enter("export_physical", device);
+  auto it = physicals_.find(handle);
+  if (it == physicals_.end() || it->second.released) {
+    fail("export_physical", kInvalidValue, "unknown or released handle");
+  }
+  const int fd = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) fail("export_physical", kOutOfMemoryCode, system_error("fcntl(F_DUPFD_CLOEXEC)"));
+  return fd;
+}
+
+PhysHandle SimDriver::import_physical(int device, int fd) {
+  auto lock = enter("import_physical", device);
+  struct stat info = {};
+  if (fd < 0 || fstat(fd, &info) != 0 || info.st_size <= 0) {
+    fail("import_physical", kInvalidValue, "not a descriptor of exported memory");
+  }
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) fail("import_physical", kOutOfMemoryCode, system_error("fcntl(F_DUPFD_CLOEXEC)"));
+  const PhysHandle handle = next_handle_++;
+  Physical physical{device, own, static_cast<std::size_t>(info.st_size)};
+  physical.imported = true;
+  physicals_[handle] = physical;
+  return handle;
 }
 
 void SimDriver::release_physical(int device, PhysHandle handle) {

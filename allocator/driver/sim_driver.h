@@ -96,6 +96,8 @@ class SimDriver final : public Driver {
   DevicePtr reserve_address(int device, std::size_t size) override;
   void free_address(int device, DevicePtr ptr, std::size_t size) override;
   PhysHandle create_physical(int device, std::size_t size) override;
+  int export_physical(int device, PhysHandle handle) override;
+  PhysHandle import_physical(int device, int fd) override;
   void release_physical(int device, PhysHandle handle) override;
   void map(int device, DevicePtr ptr, std::size_t size, PhysHandle handle) override;
   void unmap(int device, DevicePtr ptr, std::size_t size) override;
@@ -139,6 +141,7 @@ class SimDriver final : public Driver {
     std::size_t size;
     int map_count = 0;
     bool released = false;
+    bool imported = false;  // another process's memory: never charged to this one's devices
   };
   struct Mapping {
     std::size_t size;

@@ -26,8 +26,6 @@ std::string error_text(int error) {
   return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")";
 }
 
-std::string quoted(const std::string& text) { return "'" + text + "'"; }
-
 const char* first_env(const char* name, const char* fallback) {
   for (const char* key : {name, fallback}) {
     const char* value = std::getenv(key);

@@ -14,8 +14,6 @@ namespace tus {
 
 namespace {
 
-std::string quoted(const std::string& text) { return "'" + text + "'"; }
-
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

@@ -19,6 +19,7 @@ from lms_session_scenarios import SCENARIOS as LMS_SESSION_SCENARIOS
 from managed_scenarios import SCENARIOS as MANAGED_SCENARIOS
 from pin_ahead_scenarios import SCENARIOS as PIN_AHEAD_SCENARIOS
 from scenarios import SCENARIOS
+from sharing_scenarios import SCENARIOS as SHARING_SCENARIOS
 from snapshot_scenarios import SCENARIOS as SNAPSHOT_SCENARIOS
 from soak_scenarios import SCENARIOS as SOAK_SCENARIOS
 
@@ -32,6 +33,7 @@ CASES = (
     + [("disk_scenarios.py", name) for name in sorted(DISK_SCENARIOS)]
     + [("fork_scenarios.py", name) for name in sorted(FORK_SCENARIOS)]
     + [("snapshot_scenarios.py", name) for name in sorted(SNAPSHOT_SCENARIOS)]
+    + [("sharing_scenarios.py", name) for name in sorted(SHARING_SCENARIOS)]
     + [("soak_scenarios.py", name) for name in sorted(SOAK_SCENARIOS)]
 )
 
