@@ -91,10 +91,11 @@ def main() -> None:
             f"w{i}": torch.randn(TENSOR_BYTES // 2, device="cuda", dtype=torch.bfloat16)
             for i in range(nbytes // TENSOR_BYTES)
         }
-    expected = sum(float(t.double().sum()) for t in weights.values())
     log(f"{name}: {nbytes / GiB:.1f} GiB in {len(weights)} tensors; warming up pause/resume")
     timed_pause_resume("weights", 1)  # the first pause pays for things the others do not
     alone = timed_pause_resume("weights", args.reps)
+    # After the pauses: without a backup a resume leaves the contents undefined.
+    expected = sum(float(t.double().sum()) for t in weights.values())
     path = os.path.join(tempfile.mkdtemp(), "weights.sock")
     share = tus.share("weights", weights, path=path, timeout_s=30.0)
     children = []

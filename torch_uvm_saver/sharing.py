@@ -504,17 +504,32 @@ class Attachment:
     def _serve(self) -> None:
         connection = self._connection
         connection.settimeout(None)
+        pending = None  # a message read ahead while answering an "unmap"
         while True:
-            try:
-                received = _receive(connection)
-            except OSError:
-                return
+            if pending is not None:
+                received, pending = pending, None
+            else:
+                try:
+                    received = _receive(connection)
+                except OSError:
+                    return
             if received is None:
                 return  # the owner is gone; the memory stays mapped while we hold it
             message, fds = received
             kind, seq = message.get("type"), message.get("seq")
             try:
                 if kind == "unmap":
+                    pending = self._read_ahead(connection)
+                    if pending is not None and pending[0].get("type") == "remap":
+                        # An unmap answered late, after the owner's pause failed, is followed by
+                        # that failure's remap of the same memory: the two cancel, and the
+                        # tensors never lose their memory.
+                        _send(connection, {"type": "unmapped", "seq": seq})
+                        remap, remap_fds = pending
+                        pending = None
+                        _close_all(remap_fds)
+                        _send(connection, {"type": "remapped", "seq": remap.get("seq")})
+                        continue
                     if _C.get_driver().name == "cuda":
                         torch.cuda.synchronize(self.device)  # our kernels are done with it
                     self._mapping.unmap()
@@ -534,6 +549,17 @@ class Attachment:
                     _send(connection, {"type": "error", "message": str(error), "seq": seq})
             finally:
                 _close_all(fds)
+
+    @staticmethod
+    def _read_ahead(connection: socket.socket):
+        """The next message if one has arrived already (else None), without waiting for one."""
+        try:
+            connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return None
+        return _receive(connection)
 
     def close(self) -> None:
         """Detach: unmap the owner's memory and stop answering it. The tensors must not be
