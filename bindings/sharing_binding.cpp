@@ -56,10 +56,12 @@ void bind_sharing(py::module_& module) {
   py::class_<SharedMapping, std::shared_ptr<SharedMapping>>(
       module, "SharedMapping",
       "Another process's shared tag, mapped here at addresses of this process's own.")
-      .def(py::init([](int device) {
-             return std::make_shared<SharedMapping>(Registry::instance().driver(), device);
+      .def(py::init([](int device, std::shared_ptr<Driver> driver) {
+             if (!driver) driver = Registry::instance().driver();
+             return std::make_shared<SharedMapping>(std::move(driver), device);
            }),
-           py::arg("device"))
+           py::arg("device"), py::arg("driver") = nullptr,
+           "`driver`: the process driver when None (another for tests of one driver).")
       .def(
           "add",
           [](SharedMapping& self, std::size_t size, const std::vector<ChunkTuple>& chunks) {

@@ -435,7 +435,12 @@ class SharedMapping:
     """
     Another process's shared tag, mapped here at addresses of this process's own.
     """
-    def __init__(self, device: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def __init__(
+        self, device: typing.SupportsInt | typing.SupportsIndex, driver: Driver = None
+    ) -> None:
+        """
+        `driver`: the process driver when None (another for tests of one driver).
+        """
     def add(
         self,
         size: typing.SupportsInt | typing.SupportsIndex,

@@ -28,64 +28,79 @@ std::size_t SharedMapping::bytes() const {
 }
 
 void SharedMapping::map_chunks(Placed& placed, const std::vector<SharedChunk>& chunks) {
-  // On a failure, what this call mapped is undone: the segment is either mapped whole or not.
   try {
-    for (const SharedChunk& chunk : chunks) {
-      if (chunk.offset + chunk.size > placed.size || chunk.size == 0) {
-        TUS_THROW(InvalidArgument, "sharing: a chunk of "
-                                       << chunk.size << " bytes at offset " << chunk.offset
-                                       << " does not fit its segment of " << placed.size
-                                       << " bytes");
-      }
-      const PhysHandle handle = driver_->import_physical(device_, chunk.fd);
-      try {
-        driver_->map(device_, placed.base + chunk.offset, chunk.size, handle);
-      } catch (...) {
-        driver_->release_physical(device_, handle);
-        throw;
-      }
-      placed.handles.push_back(handle);
-      driver_->set_access(device_, placed.base + chunk.offset, chunk.size);
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+      Piece& piece = placed.pieces[i];
+      piece.handle = driver_->import_physical(device_, chunks[i].fd);
+      driver_->map(device_, placed.base + piece.offset, piece.size, piece.handle);
+      piece.mapped = true;
+      driver_->set_access(device_, placed.base + piece.offset, piece.size);
     }
   } catch (...) {
-    unmap_one(placed);
+    // The segment is mapped whole or not at all. A failure of the teardown too is logged: the
+    // error that matters is the first one, and the pieces left are tried again later.
+    try {
+      unmap_one(placed);
+    } catch (const std::exception& error) {
+      log_once("shared_mapping_undo",
+               std::string("sharing: undoing a partial mapping failed: ") + error.what());
+    }
     throw;
   }
 }
 
 void SharedMapping::unmap_one(Placed& placed) {
-  // Chunks were mapped in order: the first handles.size() of them are mapped.
   std::exception_ptr first_error;
-  for (std::size_t i = 0; i < placed.handles.size(); ++i) {
+  for (Piece& piece : placed.pieces) {
     try {
-      driver_->unmap(device_, placed.base + placed.offsets[i], placed.sizes[i]);
-      driver_->release_physical(device_, placed.handles[i]);
+      if (piece.mapped) {
+        driver_->unmap(device_, placed.base + piece.offset, piece.size);
+        piece.mapped = false;
+      }
+      if (piece.handle != 0) {
+        driver_->release_physical(device_, piece.handle);
+        piece.handle = 0;
+      }
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }
   }
-  placed.handles.clear();
   if (first_error) std::rethrow_exception(first_error);
+}
+
+bool SharedMapping::clean(const Placed& placed) {
+  for (const Piece& piece : placed.pieces) {
+    if (piece.mapped || piece.handle != 0) return false;
+  }
+  return true;
 }
 
 DevicePtr SharedMapping::add(std::size_t size, const std::vector<SharedChunk>& chunks) {
   if (!mapped_) TUS_THROW(InvalidState, "sharing: cannot add a segment while unmapped");
   if (size == 0 || size % driver_->granularity(device_) != 0) {
-    TUS_THROW(InvalidArgument, "sharing: a segment of " << size
-                                                        << " bytes is not a multiple of the "
-                                                           "driver's granularity");
+    TUS_THROW(InvalidArgument, "sharing: a segment of "
+                                   << size
+                                   << " bytes is not a multiple of the driver's granularity");
   }
   Placed placed;
   placed.size = size;
   for (const SharedChunk& chunk : chunks) {
-    placed.offsets.push_back(chunk.offset);
-    placed.sizes.push_back(chunk.size);
+    if (chunk.size == 0 || chunk.offset > size || chunk.size > size - chunk.offset) {
+      TUS_THROW(InvalidArgument, "sharing: a chunk of "
+                                     << chunk.size << " bytes at offset " << chunk.offset
+                                     << " does not fit its segment of " << size << " bytes");
+    }
+    placed.pieces.push_back(Piece{chunk.offset, chunk.size, 0, false});
   }
   placed.base = driver_->reserve_address(device_, size);
   try {
     map_chunks(placed, chunks);
   } catch (...) {
-    driver_->free_address(device_, placed.base, size);
+    if (clean(placed)) {
+      driver_->free_address(device_, placed.base, size);
+    } else {
+      segments_.push_back(std::move(placed));  // close() finishes the teardown
+    }
     throw;
   }
   segments_.push_back(std::move(placed));
@@ -93,7 +108,7 @@ DevicePtr SharedMapping::add(std::size_t size, const std::vector<SharedChunk>& c
 }
 
 void SharedMapping::unmap() {
-  if (!mapped_) return;
+  mapped_ = false;  // partly unmapped counts as unmapped: the tensors must not be touched
   std::exception_ptr first_error;
   for (Placed& placed : segments_) {
     try {
@@ -102,7 +117,6 @@ void SharedMapping::unmap() {
       if (!first_error) first_error = std::current_exception();
     }
   }
-  mapped_ = false;
   if (first_error) std::rethrow_exception(first_error);
 }
 
@@ -115,20 +129,29 @@ void SharedMapping::remap(const std::vector<std::vector<SharedChunk>>& segments)
   }
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Placed& placed = segments_[i];
-    bool same = segments[i].size() == placed.offsets.size();
+    bool same = segments[i].size() == placed.pieces.size();
     for (std::size_t c = 0; same && c < segments[i].size(); ++c) {
-      same = segments[i][c].offset == placed.offsets[c] && segments[i][c].size == placed.sizes[c];
+      same = segments[i][c].offset == placed.pieces[c].offset &&
+             segments[i][c].size == placed.pieces[c].size;
     }
     if (!same) {
       TUS_THROW(InvalidArgument,
                 "sharing: segment " << i << " came back with another chunk layout");
     }
   }
+  unmap();  // what an earlier failed unmap left goes first
   std::size_t done = 0;
   try {
     for (; done < segments.size(); ++done) map_chunks(segments_[done], segments[done]);
   } catch (...) {
-    for (std::size_t i = 0; i < done; ++i) unmap_one(segments_[i]);
+    for (std::size_t i = 0; i < done; ++i) {
+      try {
+        unmap_one(segments_[i]);
+      } catch (const std::exception& error) {
+        log_once("shared_mapping_undo",
+                 std::string("sharing: undoing a partial remap failed: ") + error.what());
+      }
+    }
     throw;
   }
   mapped_ = true;
@@ -141,14 +164,20 @@ void SharedMapping::close() {
   } catch (...) {
     first_error = std::current_exception();
   }
+  std::vector<Placed> kept;
   for (Placed& placed : segments_) {
     try {
+      if (!clean(placed)) {
+        kept.push_back(std::move(placed));  // its pieces failed above: tried again next close
+        continue;
+      }
       driver_->free_address(device_, placed.base, placed.size);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
+      kept.push_back(std::move(placed));
     }
   }
-  segments_.clear();
+  segments_ = std::move(kept);
   if (first_error) std::rethrow_exception(first_error);
 }
 

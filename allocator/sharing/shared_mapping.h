@@ -47,13 +47,14 @@ class SharedMapping {
   // Reserves `size` bytes of addresses and maps the chunks' memory there; returns the base. The
   // descriptors stay the caller's. A failure leaves nothing of this segment behind.
   DevicePtr add(std::size_t size, const std::vector<SharedChunk>& chunks);
-  // Unmaps every segment and releases the imported memory; the addresses stay reserved. Does
-  // nothing when unmapped already.
+  // Unmaps every segment and releases the imported memory; the addresses stay reserved. A chunk
+  // whose unmap or release fails keeps its state and is tried again by the next unmap() or
+  // close(); the first error is rethrown once every chunk was tried.
   void unmap();
   // Maps the owner's new memory at the same addresses: `segments[i]` holds the chunks of the
   // i-th segment added, laid out as before. All or nothing.
   void remap(const std::vector<std::vector<SharedChunk>>& segments);
-  // Unmaps and gives the addresses back; the mapping is empty afterwards.
+  // Unmaps and gives the addresses back. What fails stays, for another close() to finish.
   void close();
 
   bool mapped() const { return mapped_; }
@@ -61,15 +62,22 @@ class SharedMapping {
   std::size_t bytes() const;  // bytes of every segment added
 
  private:
+  struct Piece {
+    std::size_t offset = 0;
+    std::size_t size = 0;
+    PhysHandle handle = 0;  // imported and not released yet
+    bool mapped = false;
+  };
   struct Placed {
     DevicePtr base = 0;
     std::size_t size = 0;
-    std::vector<std::size_t> offsets;  // of its chunks, as first added
-    std::vector<std::size_t> sizes;
-    std::vector<PhysHandle> handles;  // imported; empty while unmapped
+    std::vector<Piece> pieces;  // its chunks, as first added
   };
+  // Imports and maps `chunks` into `placed`'s pieces; a failure tears down what it did.
   void map_chunks(Placed& placed, const std::vector<SharedChunk>& chunks);
+  // Unmaps and releases every piece it can; rethrows the first error after trying them all.
   void unmap_one(Placed& placed);
+  static bool clean(const Placed& placed);  // nothing mapped or imported
 
   std::shared_ptr<Driver> driver_;
   const int device_;

@@ -132,6 +132,10 @@ def a_killed_attached_process_does_not_block_the_pause() -> None:
         assert alive.ask("forward")["sum"] == expected
         # A stopped process (alive, silent) fails the pause with its id; nothing is paused.
         os.kill(alive.process.pid, signal.SIGSTOP)
+        while (
+            Path(f"/proc/{alive.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
+        ):
+            time.sleep(0.001)  # stopped for sure: a running process could still answer
         try:
             expect_error(
                 tus.InvalidStateError, lambda: tus.pause("weights"), str(alive.process.pid)

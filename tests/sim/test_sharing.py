@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +80,16 @@ class Child:
             self.process.wait(timeout=30)
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP, returning once the process is stopped (the signal is delivered asynchronously:
+    a process still running could answer one more message)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 def fill(ptr: int, value: int, size: int) -> None:
     ctypes.memset(ptr, value, size)
 
@@ -88,12 +99,12 @@ def byte_at(ptr: int) -> int:
 
 
 @pytest.fixture
-def shared(process, tmp_path):
+def shared(process, tmp_path, slowdown):
     """An 8 MiB tag "w" with backup, filled with 7, served at a socket under tmp_path."""
     driver, allocator = process
     ptr = allocator.malloc(8 * MiB, tag="w", cpu_backup=True)
     fill(ptr, 7, 8 * MiB)
-    served = tus.share("w", path=str(tmp_path / "w.sock"), timeout_s=2.0)
+    served = tus.share("w", path=str(tmp_path / "w.sock"), timeout_s=2.0 * slowdown)
     yield driver, allocator, ptr, served
     served.close()
     if allocator.is_paused("w"):
@@ -147,7 +158,7 @@ def test_a_silent_attached_process_fails_the_pause_with_its_pid_and_nothing_chan
     _, allocator, ptr, served = shared
     answering = Child(served.path)
     silent = Child(served.path)
-    os.kill(silent.pid, signal.SIGSTOP)
+    stop(silent.pid)
     try:
         with pytest.raises(
             InvalidStateError, match=f"attached process {silent.pid} did not answer"
