@@ -149,6 +149,70 @@ def a_killed_attached_process_does_not_block_the_pause() -> None:
         share.close()
 
 
+@scenario
+def tensor_parallel_shards_on_two_gpus_are_shared_and_combined() -> None:
+    # One weight manager holds a Linear layer's two row shards, one per GPU, each in a pausable
+    # tag served from its GPU; torchrun's two ranks attach to their GPU's shard and all_gather
+    # the halves of the output (sharing_tp_worker.py).
+    import torch
+
+    import torch_uvm_saver as tus
+
+    if torch.cuda.device_count() < 2:
+        print("SKIP: needs two GPUs")
+        return
+    torch.manual_seed(0)
+    full = torch.randn(2048, 1024, dtype=torch.bfloat16)
+    x = torch.randn(64, 1024, dtype=torch.bfloat16)
+    shards, halves, shares = [], [], []
+    folder = tempfile.mkdtemp()
+    for device in (0, 1):
+        with torch.cuda.device(device), tus.region("shard", enable_cpu_backup=True, device=device):
+            shard = full[device * 1024 : (device + 1) * 1024].to(f"cuda:{device}")
+        shards.append(shard)
+        halves.append((x.to(f"cuda:{device}") @ shard.T).cpu())  # the ranks' very kernels
+        path = os.path.join(folder, f"shard{device}.sock")
+        shares.append(tus.share("shard", {"weight": shard}, path=path, device=device))
+    expected = os.path.join(folder, "expected.pt")
+    torch.save({"x": x, "y": torch.cat(halves, dim=-1)}, expected)
+    resumed = os.path.join(folder, "resumed")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(HERE / "sharing_tp_worker.py")]
+    command += [shares[0].path, shares[1].path, expected, resumed]
+    ranks = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines = []
+    try:
+        while sum("READY" in line for line in lines) < 2:
+            line = ranks.stdout.readline()
+            assert line, "the ranks ended early:\n" + "".join(lines)
+            lines.append(line)
+        before = [torch.cuda.mem_get_info(d)[0] for d in (0, 1)]
+        freed = tus.pause("shard")  # both devices; the ranks unmap first
+        gained = [torch.cuda.mem_get_info(d)[0] - b for d, b in zip((0, 1), before)]
+        print(
+            f"pause with both ranks attached: {freed / MiB:.0f} MiB freed, free memory per "
+            f"GPU rose (MiB) {[g / MiB for g in gained]}"
+        )
+        shard_bytes = shards[0].untyped_storage().nbytes()
+        assert freed >= 2 * shard_bytes
+        assert all(g >= shard_bytes for g in gained), "a shard's memory was not freed"
+        tus.resume("shard")
+        Path(resumed).touch()
+        out, _ = ranks.communicate(timeout=300)
+        lines.append(out)
+    finally:
+        if ranks.poll() is None:
+            ranks.kill()
+        for served in shares:
+            served.close()
+    output = "".join(lines)
+    assert ranks.returncode == 0, output
+    assert "RANK 0 OK" in output and "RANK 1 OK" in output, output
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     SCENARIOS[name]()
