@@ -496,6 +496,13 @@ std::vector<Segment*> Allocator::segments_of_locked(const std::string& tag, Mode
   return found;
 }
 
+std::optional<Mode> Allocator::non_vmm_mode_locked(const std::string& tag) {
+  for (Mode other : {Mode::kDevice, Mode::kManaged, Mode::kLms}) {
+    if (!segments_of_locked(tag, other).empty()) return other;
+  }
+  return std::nullopt;
+}
+
 void Allocator::check_pausable_locked(const char* call, const std::string& tag) {
   const TagState& state = known_tag_locked(call, tag);
   if (state.open_regions > 0) {
@@ -508,10 +515,9 @@ std::size_t Allocator::pause(const std::optional<std::string>& tag) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (tag) {
     check_pausable_locked("pause", *tag);
-    for (Mode other : {Mode::kDevice, Mode::kManaged, Mode::kLms}) {
-      if (segments_of_locked(*tag, other).empty()) continue;
+    if (const std::optional<Mode> other = non_vmm_mode_locked(*tag)) {
       TUS_THROW(InvalidArgument, "pause(" << quoted(*tag) << "): the tag holds memory of mode "
-                                          << quoted(mode_name(other))
+                                          << quoted(mode_name(*other))
                                           << ", which cannot pause; allocate it with mode='vmm' "
                                              "to pause it");
     }

@@ -282,6 +282,8 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   TagState& tag_state_locked(const std::string& tag);    // created with the default policy
   std::vector<Segment*> segments_of_locked(const std::string& tag, Mode mode);
   void check_pausable_locked(const char* call, const std::string& tag);
+  // A mode other than vmm that `tag` holds memory of (such memory cannot pause or be shared).
+  std::optional<Mode> non_vmm_mode_locked(const std::string& tag);
   std::size_t pause_tag_locked(const std::string& tag);
   // Note [Pinning ahead]: tells the pool whether `segment` will ask for a pinned buffer.
   void expect_pinned_buffer_locked(Segment& segment);

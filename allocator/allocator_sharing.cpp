@@ -14,11 +14,9 @@ std::vector<SharedSegment> Allocator::export_tag(const std::string& tag) {
     TUS_THROW(InvalidState, "share(" << quoted(tag) << "): the tag is paused on device " << device_
                                      << "; resume it first");
   }
-  for (Mode other : {Mode::kDevice, Mode::kManaged, Mode::kLms}) {
-    if (!segments_of_locked(tag, other).empty()) {
-      TUS_THROW(InvalidArgument, "share(" << quoted(tag) << "): the tag holds " << mode_name(other)
-                                          << " memory; only vmm memory can be shared");
-    }
+  if (const std::optional<Mode> other = non_vmm_mode_locked(tag)) {
+    TUS_THROW(InvalidArgument, "share(" << quoted(tag) << "): the tag holds " << mode_name(*other)
+                                        << " memory; only vmm memory can be shared");
   }
   std::vector<SharedSegment> out;
   try {

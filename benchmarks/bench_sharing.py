@@ -15,10 +15,8 @@ The alternative without sharing is a copy per process: N x the bytes in device m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,36 +27,11 @@ from _bench_common import GiB, MiB, default_output, log, utc_now, write_json
 
 import torch_uvm_saver as tus
 
-CHILD = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "sharing_child.py"
+# The attached processes' driver lives with the GPU scenarios, which use it too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+from attached_process import AttachedProcess
+
 TENSOR_BYTES = 256 * MiB
-
-
-class Attached:
-    def __init__(self, path: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(CHILD), path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.report = self.read()
-
-    def read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"attached process ended with status {self.process.wait()}")
-        return json.loads(line)
-
-    def ask(self, command: str) -> dict:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.ask("close")
-            self.process.wait(timeout=120)
 
 
 def timed_pause_resume(tag: str, reps: int) -> tuple[list[float], list[float]]:
@@ -101,7 +74,7 @@ def main() -> None:
     children = []
     try:
         for index in range(args.processes):
-            children.append(Attached(path))
+            children.append(AttachedProcess(path))
             log(f"attached {index + 1}/{args.processes}: {children[-1].report}")
         sums = [child.ask("checksum")["sum"] for child in children]
         together = timed_pause_resume("weights", args.reps)

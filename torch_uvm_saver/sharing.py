@@ -250,9 +250,14 @@ class Share:
                         gone.append(peer)
             except BaseException:
                 self._drop(gone)
-                # The pause does not happen: the ones that unmapped map the memory again, and
-                # the silent one maps it again right after its late unmap.
-                self._remap([*done, asked] if asked not in done else done, wait=asked in done)
+                # The pause does not happen: the ones that unmapped map the memory again (one
+                # that cannot stays marked unmapped, and the next resume maps it), and the one
+                # that failed to answer is sent the same, to map again right after its late
+                # unmap. The pause's own error is the one raised.
+                with contextlib.suppress(InvalidStateError):
+                    self._remap(done)
+                if asked is not None:
+                    self._remap_unanswered(asked)
                 raise
             self._drop(gone)
 
@@ -261,21 +266,19 @@ class Share:
         with self._lock:
             self._remap([peer for peer in self._peers if peer.unmapped])
 
-    def _remap(self, peers: list[_Peer], wait: bool = True) -> None:
-        """Each of `peers` maps the tag's memory as it is now. With wait=False the last one is
-        only sent the request (it did not answer the one before)."""
+    def _remap_message(self) -> tuple[dict[str, Any], list[int]]:
+        """The "remap" request for the tag's memory as it is now, and its descriptors."""
+        segments, fds = self._exported()
+        return {"type": "remap", "segments": segments, "fd_count": len(fds)}, fds
+
+    def _remap(self, peers: list[_Peer]) -> None:
+        """Each of `peers` maps the tag's memory as it is now."""
         if not peers:
             return
-        segments, fds = self._exported()
+        message, fds = self._remap_message()
         gone, failures = [], []
-        message = {"type": "remap", "segments": segments, "fd_count": len(fds)}
         try:
-            for index, peer in enumerate(peers):
-                if not wait and index == len(peers) - 1:
-                    peer.sent += 1
-                    with contextlib.suppress(OSError):
-                        _send(peer.connection, dict(message, seq=peer.sent), fds)
-                    break
+            for peer in peers:
                 try:
                     if self._ask(peer, message, "remapped", fds):
                         peer.unmapped = False
@@ -288,6 +291,17 @@ class Share:
         self._drop(gone)
         if failures:
             raise InvalidStateError("; ".join(failures))
+
+    def _remap_unanswered(self, peer: _Peer) -> None:
+        """Queues a remap for a peer that did not answer its unmap, without waiting for it: it
+        reads both once it runs again (Attachment._serve cancels the pair)."""
+        message, fds = self._remap_message()
+        peer.sent += 1
+        try:
+            with contextlib.suppress(OSError):
+                _send(peer.connection, dict(message, seq=peer.sent), fds)
+        finally:
+            _close_all(fds)
 
     def close(self) -> None:
         """Stop serving: no new attachments; attached processes keep what they map."""
@@ -410,12 +424,17 @@ def share(
     return served
 
 
+def _shares_of(tag: str | None) -> list[Share]:
+    """The shares of `tag` on every device (of every tag if None)."""
+    with _SHARES_LOCK:
+        return [served for (name, _), served in _SHARES.items() if tag is None or name == tag]
+
+
 @contextlib.contextmanager
 def pausing(tag: str | None) -> Iterator[None]:
     """Around an owner's pause of ``tag`` (None: every tag): attached processes unmap first;
     if the pause then fails, they map the memory again."""
-    with _SHARES_LOCK:
-        shares = [s for (t, _), s in _SHARES.items() if tag is None or t == tag]
+    shares = _shares_of(tag)
     done = []
     try:
         for served in shares:
@@ -432,9 +451,7 @@ def pausing(tag: str | None) -> Iterator[None]:
 
 def resumed(tag: str | None) -> None:
     """After an owner's resume of ``tag`` (None: every tag): attached processes map again."""
-    with _SHARES_LOCK:
-        shares = [s for (t, _), s in _SHARES.items() if tag is None or t == tag]
-    for served in shares:
+    for served in _shares_of(tag):
         if not _native.allocator(served.device).is_paused(served.tag):
             served.after_resume()
 

@@ -17,7 +17,7 @@ std::size_t LmsController::held() const {
 }
 
 void LmsController::make_room(std::size_t size, const std::string& tag) {
-  make_room_locked(size, tag, false);
+  climb_ladder(size, tag, false);
 }
 
 void LmsController::admit(Segment& segment, bool single_block, StreamHandle stream) {
@@ -36,10 +36,10 @@ void LmsController::make_room_for_page_in(Segment& segment) {
   const std::size_t out = segment.on_managed_memory()
                               ? managed_bytes_at(segment, MemLocation::host())
                               : segment.size - segment.resident_bytes();
-  make_room_locked(out, segment.tag, true);
+  climb_ladder(out, segment.tag, true);
 }
 
-void LmsController::make_room_locked(std::size_t size, const std::string& tag, bool for_page_in) {
+void LmsController::climb_ladder(std::size_t size, const std::string& tag, bool for_page_in) {
   // A page-in climbs the same ladder but is not an allocation: alloc_distribution skips it.
   AllocDistribution scratch;
   AllocDistribution& counts = for_page_in ? scratch : lms_.distribution();

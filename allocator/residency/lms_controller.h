@@ -55,7 +55,9 @@ class LmsController {
 
  private:
   std::size_t held() const;  // device memory held, every mode
-  void make_room_locked(std::size_t size, const std::string& tag, bool for_page_in);
+  // Note [The allocation ladder] in lms_residency.h, steps 2 to 4: room for `size` more bytes
+  // under the limit, or OutOfMemory.
+  void climb_ladder(std::size_t size, const std::string& tag, bool for_page_in);
   void make_room_for_page_in(Segment& segment);
   OutOfMemory out_of_memory(std::size_t size, const std::string& tag, std::size_t limit,
                             bool for_page_in) const;

@@ -9,7 +9,6 @@ exception a pause raises.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,41 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from attached_process import AttachedProcess, stop
 from scenarios import MiB, expect_error, free_bytes, scenario_registry
 from snapshot_scenarios import transformer
 
 SCENARIOS, scenario = scenario_registry()
 HERE = Path(__file__).parent
-
-
-class Attached:
-    """One sharing_child.py process attached to the socket at `path`."""
-
-    def __init__(self, path: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "sharing_child.py"), path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.report = self.read()
-
-    def read(self) -> dict:
-        line = self.process.stdout.readline()
-        assert line, f"attached process ended with status {self.process.wait()}"
-        return json.loads(line)
-
-    def ask(self, command: str) -> dict:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.ask("close")
-            self.process.wait(timeout=60)
 
 
 def served_model(tag: str = "weights"):
@@ -75,7 +45,7 @@ def served_model(tag: str = "weights"):
 def two_attached_processes_run_the_owners_weights_without_a_copy() -> None:
     model, expected, share = served_model()
     nbytes = sum(t.nbytes for t in model.state_dict().values())
-    children = [Attached(share.path) for _ in range(2)]
+    children = [AttachedProcess(share.path) for _ in range(2)]
     try:
         for child in children:
             print(f"attached: {child.report}")
@@ -95,7 +65,7 @@ def pause_frees_the_shared_memory_once_attached_processes_unmap() -> None:
     import torch_uvm_saver as tus
 
     _, expected, share = served_model()
-    children = [Attached(share.path) for _ in range(2)]
+    children = [AttachedProcess(share.path) for _ in range(2)]
     try:
         for child in children:
             assert child.ask("forward")["sum"] == expected
@@ -120,7 +90,7 @@ def a_killed_attached_process_does_not_block_the_pause() -> None:
     import torch_uvm_saver as tus
 
     _, expected, share = served_model()
-    alive, killed = Attached(share.path), Attached(share.path)
+    alive, killed = AttachedProcess(share.path), AttachedProcess(share.path)
     try:
         killed.process.send_signal(signal.SIGKILL)
         killed.process.wait(timeout=60)
@@ -131,11 +101,7 @@ def a_killed_attached_process_does_not_block_the_pause() -> None:
         tus.resume("weights")
         assert alive.ask("forward")["sum"] == expected
         # A stopped process (alive, silent) fails the pause with its id; nothing is paused.
-        os.kill(alive.process.pid, signal.SIGSTOP)
-        while (
-            Path(f"/proc/{alive.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
-        ):
-            time.sleep(0.001)  # stopped for sure: a running process could still answer
+        stop(alive.process.pid)
         try:
             expect_error(
                 tus.InvalidStateError, lambda: tus.pause("weights"), str(alive.process.pid)
