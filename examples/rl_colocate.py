@@ -29,7 +29,8 @@ below. ``generate``, ``ref_forward`` and ``train`` are the same work in every va
 the switching overhead the comparison is about.
 
 Needs a CUDA GPU and transformers. ``--compare`` builds torch_memory_saver from a checkout in
-.peer/torch_memory_saver (see benchmarks/_tms_peer.py) and skips it, saying why, when it cannot.
+.peer/torch_memory_saver (``git clone https://github.com/fzyzcjy/torch_memory_saver
+.peer/torch_memory_saver``; see benchmarks/_tms_peer.py) and skips it, saying why, when it cannot.
 """
 
 # Note [The colocated loop]
@@ -51,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -325,8 +328,6 @@ def print_phases(summary: dict[str, Any]) -> None:
 
 def run_variant(name: str, settings: Settings) -> dict[str, Any]:
     """Builds the variant's trainer (and its rollout process), runs the loop, closes both."""
-    import importlib
-
     module_name, class_name = VARIANTS[name].split(":")
     trainer_class = getattr(importlib.import_module(module_name), class_name)
 
@@ -375,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("rl_colocate needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("transformers") is None:
+        print("rl_colocate builds a Hugging Face GPT-2: pip install transformers", file=sys.stderr)
         return 2
     if args.compare:
         from rl_compare import compare

@@ -91,6 +91,8 @@ def _span_bytes(name: str, t: torch.Tensor) -> int:
     """Bytes from the tensor's first element to the end of its last one."""
     if t.numel() == 0:
         return 0
+    if t.is_contiguous():  # the common case, without the sum over dimensions
+        return t.numel() * t.element_size()
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     span = (last + 1) * t.element_size()
     if span > t.numel() * t.element_size():
@@ -195,7 +197,10 @@ def snapshot(
                 raise InvalidArgumentError(
                     f"snapshot({name!r}): the tensors are on device {index}, not {device!r}"
                 )
-            native = [_native_entry(entry, t) for entry, (_, t) in zip(entries, named)]
+            native = [
+                (entry.name, t.data_ptr() if t.numel() else 0, entry.nbytes, entry.layout)
+                for entry, (_, t) in zip(entries, named)
+            ]  # the span and layout _entry just worked out: one pass over the tensors
             taken = _native.allocator(index).snapshot(name, native, bool(on_device))
             module = weakref.ref(source) if isinstance(source, torch.nn.Module) else None
             record = _Record(device=index, entries=entries, module=module)
