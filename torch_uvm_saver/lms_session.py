@@ -46,7 +46,10 @@ Note [Quiet iterations]
     Watching every operator costs host time (a dispatch mode and saved-tensor hooks, some tens
     of microseconds an operator), which a step that fits under the limit should not pay. So
     after a watched iteration in which nothing had to move (no page-out, no out-of-memory
-    retry, nothing out at its end) the session goes quiet: the next iterations run with no
+    retry, nothing out at its end) and that ended holding no more storages than it began with
+    (the first step of an optimizer makes its state at its end, which the next iteration
+    carries from its start: on GPT-2 medium at a third of its peak, quiet after the first
+    iteration ran the second out of memory) the session goes quiet: the next iterations run with no
     dispatch mode and no saved-tensor hooks, as if there were no session, and only the
     bookkeeping at the block's end remains (the planner keeps the watched iteration's trace).
     A quiet iteration that raises the allocator's peak above ``limit - limit / 16``, or ends in
@@ -349,6 +352,7 @@ class LmsSession:
             self._peak_at_enter = self._allocator_peak()
             return self
         self._moves_at_enter = self._moves()
+        self._registered_at_enter = self._planner.counters()["registered_bytes"]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
         threads = torch.autograd.set_multithreading_enabled(False)
@@ -377,9 +381,13 @@ class LmsSession:
         for optimizer in self._optimizers:
             self._adopt_optimizer_state(optimizer)
         self._planner.end_iteration()
+        # An iteration that ends holding more than it began with (an optimizer's first step
+        # makes its state) says nothing about the next one, which carries that state all along.
+        grew = self._planner.counters()["registered_bytes"] > self._registered_at_enter
         self._quiet = (
             self._quiet_allowed
             and not failed
+            and not grew
             and not self._out
             and self._moves() == self._moves_at_enter
         )

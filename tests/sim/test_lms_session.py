@@ -220,11 +220,24 @@ def test_iterations_after_one_with_nothing_to_move_run_quiet_and_train_the_same(
     assert session.quiet
     session.close()
     assert losses == reference
-    # The first iteration is watched; the three after it run with no dispatch mode: the
-    # planner saw one iteration's operators and nothing since.
-    assert stats["quiet_iterations"] == 3
-    assert stats["iterations"] == 1
+    # The first iteration is watched and ends with AdamW's state made; the second, which
+    # carries that state from its start, is watched too; the two after it run with no dispatch
+    # mode: the planner saw two iterations' operators and nothing since.
+    assert stats["quiet_iterations"] == 2
+    assert stats["iterations"] == 2
     assert stats["pageout_count"] == 0
+
+
+def test_the_iteration_that_makes_the_optimizer_state_is_not_followed_by_a_quiet_one():
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=10**9)
+    train(model, optimizer, session, steps=1)
+    held_after_first = session.stats()["registered_bytes"]
+    assert not session.quiet  # the state appeared at the first step's end
+    train(model, optimizer, session, steps=1)
+    assert session.stats()["registered_bytes"] == held_after_first
+    assert session.quiet
+    session.close()
 
 
 def test_a_session_that_pages_never_goes_quiet():
@@ -251,13 +264,13 @@ def test_quiet_false_watches_every_iteration():
 def test_an_error_in_a_quiet_iteration_makes_the_next_one_watched():
     model, optimizer = make_model()
     session = session_for(model, optimizer, budget=10**9)
-    train(model, optimizer, session, steps=1)
+    train(model, optimizer, session, steps=2)
     assert session.quiet
     with pytest.raises(RuntimeError, match="boom"), session:
         raise RuntimeError("boom")
     assert not session.quiet
     train(model, optimizer, session, steps=1)  # watched again, and quiet after it
-    assert session.stats()["iterations"] == 2
+    assert session.stats()["iterations"] == 3
     assert session.quiet
     session.close()
 
