@@ -748,19 +748,18 @@ StatsDict Allocator::stats() {
   StatsDict out;
   stats_.add_to(out);
   const HostPoolCounters pool = host_buffers_.counters();
-  out["host_pool_bytes.current"] = static_cast<std::int64_t>(pool.pinned_bytes);
-  out["host_pool_cached_bytes.current"] = static_cast<std::int64_t>(pool.cached_bytes);
-  out["host_pool_hits"] = static_cast<std::int64_t>(pool.hits);
-  out["host_pool_misses"] = static_cast<std::int64_t>(pool.misses);
-  out["host_pool_waits"] = static_cast<std::int64_t>(pool.waits);
-  out["host_pinned_ahead_bytes"] = static_cast<std::int64_t>(pool.pinned_ahead_bytes);
-  out["host_pin_ahead_failures"] = static_cast<std::int64_t>(pool.pin_ahead_failures);
-  out["host_pin_ahead_pending_bytes.current"] =
-      static_cast<std::int64_t>(pool.pin_ahead_pending_bytes);
+  put(out, DeviceStat::host_pool_bytes, pool.pinned_bytes);
+  put(out, DeviceStat::host_pool_cached_bytes, pool.cached_bytes);
+  put(out, DeviceStat::host_pool_hits, pool.hits);
+  put(out, DeviceStat::host_pool_misses, pool.misses);
+  put(out, DeviceStat::host_pool_waits, pool.waits);
+  put(out, DeviceStat::host_pinned_ahead_bytes, pool.pinned_ahead_bytes);
+  put(out, DeviceStat::host_pin_ahead_failures, pool.pin_ahead_failures);
+  put(out, DeviceStat::host_pin_ahead_pending_bytes, pool.pin_ahead_pending_bytes);
   add_snapshot_stats_locked(out);
-  out["block_cache_free_bytes.current"] = static_cast<std::int64_t>(blocks_.cached_bytes());
-  out["block_cache_pending_bytes.current"] = static_cast<std::int64_t>(blocks_.pending_bytes());
-  out["device_budget_bytes"] = static_cast<std::int64_t>(managed_residency_.budget());
+  put(out, DeviceStat::block_cache_free_bytes, blocks_.cached_bytes());
+  put(out, DeviceStat::block_cache_pending_bytes, blocks_.pending_bytes());
+  put(out, DeviceStat::device_budget_bytes, managed_residency_.budget());
   lms_control_.add_stats(out, pauser_.async_in_flight());
   return out;
 }

@@ -94,19 +94,19 @@ std::vector<SnapshotInfo> Allocator::snapshots() const {
 
 void Allocator::add_snapshot_stats_locked(StatsDict& out) const {
   const SnapshotCounters counters = snapshots_.counters();
-  out["snapshot_count"] = static_cast<std::int64_t>(counters.count);
-  out["snapshot_bytes"] = static_cast<std::int64_t>(counters.host_bytes);
-  out["snapshot_device_bytes"] = static_cast<std::int64_t>(counters.device_bytes);
-  out["num_snapshots"] = static_cast<std::int64_t>(counters.takes);
-  out["num_snapshot_restores"] = static_cast<std::int64_t>(counters.restores);
-  out["num_snapshot_restore_faults"] = static_cast<std::int64_t>(counters.restore_faults);
-  out["num_snapshot_free_failures"] = static_cast<std::int64_t>(counters.free_failures);
-  out["snapshot_taken_bytes"] = static_cast<std::int64_t>(counters.taken_bytes);
-  out["snapshot_restored_bytes"] = static_cast<std::int64_t>(counters.restored_bytes);
-  out["snapshot_from_backup_bytes"] = static_cast<std::int64_t>(counters.from_backup_bytes);
-  out["snapshot_into_backup_bytes"] = static_cast<std::int64_t>(counters.into_backup_bytes);
-  out["snapshot_seconds"] = counters.take_seconds;
-  out["snapshot_restore_seconds"] = counters.restore_seconds;
+  put(out, DeviceStat::snapshot_count, counters.count);
+  put(out, DeviceStat::snapshot_bytes, counters.host_bytes);
+  put(out, DeviceStat::snapshot_device_bytes, counters.device_bytes);
+  put(out, DeviceStat::num_snapshots, counters.takes);
+  put(out, DeviceStat::num_snapshot_restores, counters.restores);
+  put(out, DeviceStat::num_snapshot_restore_faults, counters.restore_faults);
+  put(out, DeviceStat::num_snapshot_free_failures, counters.free_failures);
+  put(out, DeviceStat::snapshot_taken_bytes, counters.taken_bytes);
+  put(out, DeviceStat::snapshot_restored_bytes, counters.restored_bytes);
+  put(out, DeviceStat::snapshot_from_backup_bytes, counters.from_backup_bytes);
+  put(out, DeviceStat::snapshot_into_backup_bytes, counters.into_backup_bytes);
+  put(out, DeviceStat::snapshot_seconds, counters.take_seconds);
+  put(out, DeviceStat::snapshot_restore_seconds, counters.restore_seconds);
 }
 
 std::vector<SpanPiece> Allocator::locate(const std::string& call, DevicePtr ptr, std::size_t size) {

@@ -2,10 +2,15 @@
 // the calling thread's region configuration.
 #include <pybind11/stl.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "allocator/errors.h"
 #include "allocator/region_config.h"
 #include "allocator/registry.h"
 #include "allocator/residency/host_buffer_pool.h"
+#include "allocator/stats/stats.h"
 #include "bindings/arguments.h"
 #include "bindings/bindings.h"
 #include "bindings/pluggable_entry.h"
@@ -159,6 +164,15 @@ void bind_registry(py::module_& module) {
              "Managed bytes allocated by every allocator of the process (the guard's total).");
   module.def("last_malloc_error", &last_malloc_error,
              "Why the last allocation PyTorch asked of us on this thread failed ('' if none).");
+  module.def(
+      "stat_docs",
+      [] {
+        std::vector<std::tuple<std::string, std::string, std::string>> docs;
+        for (const StatDoc& doc : stat_docs()) docs.emplace_back(doc.key, doc.kind, doc.doc);
+        return docs;
+      },
+      "Every statistic as (key, kind, doc): kind 'gauge', 'counter' or 'timer' for the families "
+      "kept per scope, 'device' for the keys kept once per device (allocator/stats/stat_list.h).");
   module.attr("MALLOC_SYMBOL") = kMallocSymbol;
   module.attr("FREE_SYMBOL") = kFreeSymbol;
   module.attr("HOOK_OUT_OF_MEMORY") = kHookOutOfMemory;

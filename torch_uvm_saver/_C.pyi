@@ -55,6 +55,7 @@ __all__: list[str] = [
     "set_pin_ahead",
     "set_thread_host_backup",
     "set_thread_region",
+    "stat_docs",
 ]
 
 class Driver:
@@ -705,6 +706,11 @@ def set_thread_region(
 ) -> None:
     """
     Set the region the calling thread's allocations through PyTorch belong to.
+    """
+
+def stat_docs() -> list[tuple[str, str, str]]:
+    """
+    Every statistic as (key, kind, doc): kind 'gauge', 'counter' or 'timer' for the families kept per scope, 'device' for the keys kept once per device (allocator/stats/stat_list.h).
     """
 
 FREE_SYMBOL: str = "tus_free"

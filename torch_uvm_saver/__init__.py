@@ -86,7 +86,7 @@ from .residency import (
 )
 from .sharing import Attachment, Share, attach, share
 from .snapshots import drop_snapshot, list_snapshots, restore, snapshot
-from .stats import memory_stats, memory_summary, reset_peak_memory_stats
+from .stats import memory_stats, memory_summary, reset_peak_memory_stats, stat_docs
 from .tms_compat import torch_memory_saver
 
 __version__ = "0.2.0"
@@ -160,6 +160,7 @@ __all__ = [
     "set_speculation_lms",
     "share",
     "snapshot",
+    "stat_docs",
     "suggest_placement",
     "to",
     "torch_memory_saver",

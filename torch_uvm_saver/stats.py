@@ -30,6 +30,9 @@ Named weight snapshots (snapshots.py) add, per device: ``snapshot_count``, ``sna
 ``num_snapshot_free_failures``, ``snapshot_taken_bytes``, ``snapshot_restored_bytes``,
 ``snapshot_from_backup_bytes`` / ``snapshot_into_backup_bytes`` (read from and written to the CPU
 backups of paused tags), and the timers ``snapshot_seconds`` and ``snapshot_restore_seconds``.
+
+``stat_docs()`` lists every one of them with a line of documentation, from the same list the
+native core builds the dict from (allocator/stats/stat_list.h).
 """
 
 from __future__ import annotations
@@ -37,8 +40,15 @@ from __future__ import annotations
 from typing import Union
 
 from . import _native
+from ._load import _C
 
-__all__ = ["format_bytes", "memory_stats", "memory_summary", "reset_peak_memory_stats"]
+__all__ = [
+    "format_bytes",
+    "memory_stats",
+    "memory_summary",
+    "reset_peak_memory_stats",
+    "stat_docs",
+]
 
 StatValue = Union[int, float]
 
@@ -46,6 +56,14 @@ StatValue = Union[int, float]
 def memory_stats(device: _native.DeviceLike = None) -> dict[str, StatValue]:
     """All statistics of ``device`` (default: the current device), sorted by key."""
     return dict(sorted(_native.allocator(device).stats().items()))
+
+
+def stat_docs() -> dict[str, tuple[str, str]]:
+    """Every statistic: ``{key: (kind, doc)}``. For ``kind`` ``"gauge"`` the key is a family
+    (``<key>.<scope>.current|peak|allocated|freed`` in ``memory_stats()``), for ``"counter"``
+    and ``"timer"`` too (``<key>.<scope>``); ``"device"`` keys appear as they are, once per
+    device."""
+    return {key: (kind, doc) for key, kind, doc in _C.stat_docs()}
 
 
 def reset_peak_memory_stats(device: _native.DeviceLike = None) -> None:

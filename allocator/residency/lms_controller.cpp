@@ -235,23 +235,22 @@ std::size_t LmsController::limit() { return lms_.limit(held()); }
 std::size_t LmsController::headroom() { return lms_.headroom(limit()); }
 
 void LmsController::add_stats(StatsDict& out, std::size_t pageins_in_flight) const {
-  auto put = [&out](const char* key, auto value) { out[key] = static_cast<std::int64_t>(value); };
-  put("lms_limit_bytes", lms_.limit_setting());
-  put("lms_size_bytes", lms_.size());
-  put("lms_inactive_bytes", lms_.inactive_bytes());
-  put("lms_pageins_in_flight", pageins_in_flight);
-  put("lms_paging_out_bytes", lms_.paging_out_bytes());
-  put("lms_ladder_pageouts", lms_.ladder_pageouts());
-  put("lms_speculation", lms_.speculation());
-  put("lms_prefetch_depth", lms_.prefetch_depth());
-  put("lms_headroom_bytes", lms_.headroom(lms_.resolved_limit()));
+  put(out, DeviceStat::lms_limit_bytes, lms_.limit_setting());
+  put(out, DeviceStat::lms_size_bytes, lms_.size());
+  put(out, DeviceStat::lms_inactive_bytes, lms_.inactive_bytes());
+  put(out, DeviceStat::lms_pageins_in_flight, pageins_in_flight);
+  put(out, DeviceStat::lms_paging_out_bytes, lms_.paging_out_bytes());
+  put(out, DeviceStat::lms_ladder_pageouts, lms_.ladder_pageouts());
+  put(out, DeviceStat::lms_speculation, lms_.speculation());
+  put(out, DeviceStat::lms_prefetch_depth, lms_.prefetch_depth());
+  put(out, DeviceStat::lms_headroom_bytes, lms_.headroom(lms_.resolved_limit()));
   const AllocDistribution& distribution = lms_.distribution();
-  put("alloc_distribution.freelist", distribution.freelist);
-  put("alloc_distribution.cudamalloc", distribution.cudamalloc);
-  put("alloc_distribution.reclaim_one", distribution.reclaim_one);
-  put("alloc_distribution.reclaim_fragments", distribution.reclaim_fragments);
-  put("alloc_distribution.reclaim_all", distribution.reclaim_all);
-  put("alloc_distribution.cudamalloc_retry", distribution.cudamalloc_retry);
+  put(out, DeviceStat::alloc_distribution_freelist, distribution.freelist);
+  put(out, DeviceStat::alloc_distribution_cudamalloc, distribution.cudamalloc);
+  put(out, DeviceStat::alloc_distribution_reclaim_one, distribution.reclaim_one);
+  put(out, DeviceStat::alloc_distribution_reclaim_fragments, distribution.reclaim_fragments);
+  put(out, DeviceStat::alloc_distribution_reclaim_all, distribution.reclaim_all);
+  put(out, DeviceStat::alloc_distribution_cudamalloc_retry, distribution.cudamalloc_retry);
 }
 
 }  // namespace tus

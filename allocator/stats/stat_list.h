@@ -69,3 +69,62 @@
   X(prefetch_to_host_seconds, "device time of prefetches to the host (CUDA events)")        \
   X(pageout_seconds, "host time of lms page-outs: queueing, waiting for copies, unmapping") \
   X(pagein_seconds, "host time of lms page-ins (mapping and queueing the copy back)")
+
+// Device-wide keys: one value per device, no scope. X(id, key, doc): `id` names the value in
+// code (DeviceStat::id), `key` is the stats dict's key.
+#define TUS_DEVICE_STATS(X)                                                                       \
+  X(host_pool_bytes, "host_pool_bytes.current", "pinned host bytes the backup pool holds")        \
+  X(host_pool_cached_bytes, "host_pool_cached_bytes.current",                                     \
+    "pinned host bytes the pool holds idle, ready for the next backup")                           \
+  X(host_pool_hits, "host_pool_hits", "pinned buffers the pool lent from its cache")              \
+  X(host_pool_misses, "host_pool_misses", "pinned buffers the pool had to pin anew")              \
+  X(host_pool_waits, "host_pool_waits", "takes that waited for a buffer being pinned ahead")      \
+  X(host_pinned_ahead_bytes, "host_pinned_ahead_bytes",                                           \
+    "bytes pinned ahead of a first pause (set_pin_ahead)")                                        \
+  X(host_pin_ahead_failures, "host_pin_ahead_failures", "pins ahead the host refused")            \
+  X(host_pin_ahead_pending_bytes, "host_pin_ahead_pending_bytes.current",                         \
+    "bytes waiting to be pinned ahead")                                                           \
+  X(snapshot_count, "snapshot_count", "snapshots held")                                           \
+  X(snapshot_bytes, "snapshot_bytes",                                                             \
+    "pinned host bytes the snapshots hold (also in host_pool_bytes.current)")                     \
+  X(snapshot_device_bytes, "snapshot_device_bytes",                                               \
+    "device bytes of on_device snapshots (outside allocated_bytes and reserved_bytes)")           \
+  X(num_snapshots, "num_snapshots", "snapshots taken")                                            \
+  X(num_snapshot_restores, "num_snapshot_restores", "snapshot restores completed")                \
+  X(num_snapshot_restore_faults, "num_snapshot_restore_faults", "driver errors during restores")  \
+  X(num_snapshot_free_failures, "num_snapshot_free_failures",                                     \
+    "driver errors freeing a snapshot's device copy")                                             \
+  X(snapshot_taken_bytes, "snapshot_taken_bytes", "bytes copied into snapshots")                  \
+  X(snapshot_restored_bytes, "snapshot_restored_bytes", "bytes written back by restores")         \
+  X(snapshot_from_backup_bytes, "snapshot_from_backup_bytes",                                     \
+    "snapshot bytes read from paused tags' CPU backups")                                          \
+  X(snapshot_into_backup_bytes, "snapshot_into_backup_bytes",                                     \
+    "restored bytes written into paused tags' CPU backups")                                       \
+  X(snapshot_seconds, "snapshot_seconds", "wall time spent taking snapshots")                     \
+  X(snapshot_restore_seconds, "snapshot_restore_seconds", "wall time spent restoring snapshots")  \
+  X(block_cache_free_bytes, "block_cache_free_bytes.current",                                     \
+    "bytes of free blocks the global-mode cache keeps")                                           \
+  X(block_cache_pending_bytes, "block_cache_pending_bytes.current",                               \
+    "bytes of freed blocks waiting for their streams before reuse")                               \
+  X(device_budget_bytes, "device_budget_bytes", "the managed memory device budget (0: none)")     \
+  X(lms_limit_bytes, "lms_limit_bytes", "the LMS limit as set (0: the default)")                  \
+  X(lms_size_bytes, "lms_size_bytes", "blocks under this many bytes are never paged out")         \
+  X(lms_inactive_bytes, "lms_inactive_bytes", "bytes of unpinned lms blocks on the reclaim list") \
+  X(lms_pageins_in_flight, "lms_pageins_in_flight", "lms page-ins whose copies are not done")     \
+  X(lms_paging_out_bytes, "lms_paging_out_bytes", "bytes of lms page-outs still copying")         \
+  X(lms_ladder_pageouts, "lms_ladder_pageouts", "lms page-outs the allocation ladder made")       \
+  X(lms_speculation, "lms_speculation", "1 while speculative page-out is on")                     \
+  X(lms_prefetch_depth, "lms_prefetch_depth", "how many blocks ahead lms prefetches (setting)")   \
+  X(lms_headroom_bytes, "lms_headroom_bytes", "bytes page-out ahead keeps free under the limit")  \
+  X(alloc_distribution_freelist, "alloc_distribution.freelist",                                   \
+    "lms allocations served from a free block")                                                   \
+  X(alloc_distribution_cudamalloc, "alloc_distribution.cudamalloc",                               \
+    "lms allocations that took new device memory")                                                \
+  X(alloc_distribution_reclaim_one, "alloc_distribution.reclaim_one",                             \
+    "lms allocations served by paging out one block")                                             \
+  X(alloc_distribution_reclaim_fragments, "alloc_distribution.reclaim_fragments",                 \
+    "lms allocations served by paging out several blocks")                                        \
+  X(alloc_distribution_reclaim_all, "alloc_distribution.reclaim_all",                             \
+    "lms allocations served by paging out every inactive block")                                  \
+  X(alloc_distribution_cudamalloc_retry, "alloc_distribution.cudamalloc_retry",                   \
+    "lms allocations that succeeded after emptying the cache")

@@ -30,7 +30,32 @@ void add_scope(StatsDict& out, const std::string& scope_name, const ScopeStats& 
 #undef TUS_ADD_VALUE
 }
 
+constexpr const char* kDeviceStatKeys[] = {
+#define TUS_DEVICE_STAT_KEY(id, key, doc) key,
+    TUS_DEVICE_STATS(TUS_DEVICE_STAT_KEY)
+#undef TUS_DEVICE_STAT_KEY
+};
+
 }  // namespace
+
+void put_value(StatsDict& out, DeviceStat stat, StatValue value) {
+  out[kDeviceStatKeys[static_cast<int>(stat)]] = value;
+}
+
+std::vector<StatDoc> stat_docs() {
+  return {
+#define TUS_DOC_GAUGE(name, doc) {#name, "gauge", doc},
+#define TUS_DOC_COUNTER(name, doc) {#name, "counter", doc},
+#define TUS_DOC_TIMER(name, doc) {#name, "timer", doc},
+#define TUS_DOC_DEVICE(id, key, doc) {key, "device", doc},
+      TUS_GAUGE_STATS(TUS_DOC_GAUGE) TUS_COUNTER_STATS(TUS_DOC_COUNTER)
+          TUS_TIMER_STATS(TUS_DOC_TIMER) TUS_DEVICE_STATS(TUS_DOC_DEVICE)
+#undef TUS_DOC_GAUGE
+#undef TUS_DOC_COUNTER
+#undef TUS_DOC_TIMER
+#undef TUS_DOC_DEVICE
+  };
+}
 
 void StatsBook::apply(Mode mode, const std::string& tag, const Footprint& before,
                       const Footprint& after) {

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <variant>
+#include <vector>
 
 #include "allocator/stats/stat_list.h"
 #include "allocator/types.h"
@@ -52,6 +54,35 @@ struct Footprint {
 
 using StatValue = std::variant<std::int64_t, double>;
 using StatsDict = std::map<std::string, StatValue>;
+
+// A device-wide key of TUS_DEVICE_STATS: code names a value by its enumerator, and only
+// put() turns it into the dict's key, so a key is spelled once.
+enum class DeviceStat {
+#define TUS_DECLARE_DEVICE_STAT(id, key, doc) id,
+  TUS_DEVICE_STATS(TUS_DECLARE_DEVICE_STAT)
+#undef TUS_DECLARE_DEVICE_STAT
+};
+
+void put_value(StatsDict& out, DeviceStat stat, StatValue value);
+// Any count, size or flag (as an integer) or a number of seconds (as a double).
+template <typename Number>
+void put(StatsDict& out, DeviceStat stat, Number value) {
+  static_assert(std::is_arithmetic_v<Number>, "a statistic is a number");
+  if constexpr (std::is_floating_point_v<Number>) {
+    put_value(out, stat, static_cast<double>(value));
+  } else {
+    put_value(out, stat, static_cast<std::int64_t>(value));
+  }
+}
+
+// Every key family and device key with its documentation, for the Python module's stat_docs():
+// (key, kind, doc); kind is "gauge", "counter", "timer" (per scope) or "device".
+struct StatDoc {
+  const char* key;
+  const char* kind;
+  const char* doc;
+};
+std::vector<StatDoc> stat_docs();
 
 class StatsBook {
  public:

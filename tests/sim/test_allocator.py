@@ -292,3 +292,28 @@ def test_a_chunk_size_too_large_to_round_means_one_chunk_per_segment(driver) -> 
     assert driver.mapped_ranges() == 1
     allocator.free(ptr)
     assert driver.used_bytes() == 0
+
+
+def test_every_key_of_the_stats_is_in_stat_docs_and_every_device_key_is_in_the_stats(
+    allocator,
+) -> None:
+    # One list (allocator/stats/stat_list.h) makes both the dict and the docs: a key written by
+    # hand somewhere else, or one documented and never written, fails here.
+    import torch_uvm_saver as tus
+
+    allocator.malloc(MiB, tag="weights", cpu_backup=True)
+    docs = tus.stat_docs()
+    per_scope = {key for key, (kind, _) in docs.items() if kind != "device"}
+    device_keys = {key for key, (kind, _) in docs.items() if kind == "device"}
+    assert all(doc for _, doc in docs.values())
+    stats = allocator.stats()
+    undocumented = [
+        key for key in stats if key not in device_keys and key.split(".", 1)[0] not in per_scope
+    ]
+    assert undocumented == []
+    assert device_keys <= set(stats)
+    for key, (kind, _) in docs.items():
+        if kind == "gauge":
+            assert f"{key}.all.peak" in stats
+        elif kind in ("counter", "timer"):
+            assert f"{key}.tag:weights" in stats
