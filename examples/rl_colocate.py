@@ -92,6 +92,8 @@ PHASES = (
 )
 COMPUTE = ("generate", "ref_forward", "train")  # the same work in every variant
 SWITCHING = tuple(phase for phase in PHASES if phase not in COMPUTE)
+# The settings a command line sets (the flags --batch, --prompt-tokens, ...; --model aside).
+NUMBER_SETTINGS = ("batch", "prompt_tokens", "new_tokens", "train_steps", "iterations", "seed")
 VARIANTS = {
     "tus": "rl_colocate:TusTrainer",
     "tms": "rl_colocate_peers:TmsTrainer",
@@ -356,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="tus")
     parser.add_argument("--compare", action="store_true", help="run every variant, one run")
     parser.add_argument("--model", choices=["tiny", "small", "medium", "large", "xl"])
-    for field in ("batch", "prompt_tokens", "new_tokens", "train_steps", "iterations", "seed"):
+    for field in NUMBER_SETTINGS:
         flag = "--" + field.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(defaults, field))
     parser.add_argument("--json", type=Path, help="write the result here")
@@ -368,8 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    fields = ("model", "batch", "prompt_tokens", "new_tokens", "train_steps", "iterations", "seed")
-    return Settings(**{field: getattr(args, field) for field in fields})
+    return Settings(**{field: getattr(args, field) for field in ("model", *NUMBER_SETTINGS)})
 
 
 def main(argv: list[str] | None = None) -> int:

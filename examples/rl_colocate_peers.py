@@ -109,7 +109,28 @@ class PinnedCopy:
         torch.cuda.synchronize()
 
 
-class TmsTrainer:
+class _IpcTrainer:
+    """What both peer trainers do alike: their rollout holds its own weights, freed with its KV
+    cache at a pause and sent again over CUDA IPC once it has them back."""
+
+    model: torch.nn.Module
+    rollout: RolloutProcess
+
+    def pause_rollout(self) -> None:
+        self.rollout.call("pause")
+
+    def sync_weights(self) -> None:
+        self.rollout.call("resume_weights")
+        send_weights(self.model, self.rollout)
+
+    def resume_rollout(self) -> None:
+        self.rollout.call("resume")
+
+    def close(self) -> None:
+        self.rollout.stop()
+
+
+class TmsTrainer(_IpcTrainer):
     retain = False
 
     def __init__(self, settings: Settings) -> None:
@@ -131,9 +152,6 @@ class TmsTrainer:
         send_weights(model, self.rollout)
         self.pause()
 
-    def pause_rollout(self) -> None:
-        self.rollout.call("pause")
-
     def resume(self) -> None:
         self.tms.resume("actor")
         self.tms.resume("optimizer")
@@ -147,19 +165,9 @@ class TmsTrainer:
     def snapshot_actor(self) -> None:
         self.actor.take()
 
-    def sync_weights(self) -> None:
-        self.rollout.call("resume_weights")
-        send_weights(self.model, self.rollout)
-
     def pause(self) -> None:
         self.tms.pause("optimizer")
         self.tms.pause("actor")
-
-    def resume_rollout(self) -> None:
-        self.rollout.call("resume")
-
-    def close(self) -> None:
-        self.rollout.stop()
 
 
 class TmsRetainTrainer(TmsTrainer):
@@ -204,7 +212,7 @@ def _to(optimizer: torch.optim.Optimizer, device: str) -> None:
                 state[key] = value.to(device)
 
 
-class CopyTrainer:
+class CopyTrainer(_IpcTrainer):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.model = build_policy(settings).to("cuda")
@@ -219,9 +227,6 @@ class CopyTrainer:
     def _state_on_cpu(self) -> dict[str, torch.Tensor]:
         return {name: t.to("cpu") for name, t in self.model.state_dict().items()}
 
-    def pause_rollout(self) -> None:
-        self.rollout.call("pause")
-
     def resume(self) -> None:
         self.model.to("cuda")
         _to(self.optimizer, "cuda")
@@ -235,19 +240,9 @@ class CopyTrainer:
     def snapshot_actor(self) -> None:
         self.actor = self._state_on_cpu()
 
-    def sync_weights(self) -> None:
-        self.rollout.call("resume_weights")
-        send_weights(self.model, self.rollout)
-
     def pause(self) -> None:
         self.model.to("cpu")
         _to(self.optimizer, "cpu")
-
-    def resume_rollout(self) -> None:
-        self.rollout.call("resume")
-
-    def close(self) -> None:
-        self.rollout.stop()
 
 
 class CopyRollout(_IpcRollout):

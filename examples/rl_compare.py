@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE.parent / "benchmarks"))
 
 from _bench_common import default_output, utc_now, write_json  # noqa: E402
 from _tms_peer import ensure_peer  # noqa: E402
+from rl_colocate import NUMBER_SETTINGS, SWITCHING  # noqa: E402
 
 ORDER = ("tus", "tms", "tms-retain", "copies")
 SCRUBBED = ("LD_PRELOAD", "PYTHONPATH")
@@ -42,7 +43,7 @@ def _run_child(name: str, args, env: dict[str, str], timeout_s: float) -> dict[s
         output = Path(scratch) / "result.json"
         command = [sys.executable, str(HERE / "rl_colocate.py"), "--variant", name]
         command += ["--model", args.model, "--json", str(output)]
-        for field in ("batch", "prompt_tokens", "new_tokens", "train_steps", "iterations", "seed"):
+        for field in NUMBER_SETTINGS:
             command += ["--" + field.replace("_", "-"), str(getattr(args, field))]
         try:
             done = subprocess.run(
@@ -91,8 +92,6 @@ def _table(results: dict[str, dict[str, Any]]) -> None:
     print("\nswitching phases, median ms:")
     names = [name for name, result in results.items() if result["status"] == "ok"]
     print(f"{'phase':<16}" + "".join(f"{name:>12}" for name in names))
-    from rl_colocate import SWITCHING
-
     for phase in SWITCHING:
         row = "".join(
             f"{results[name]['summary']['phase_median_s'][phase] * 1e3:>12.1f}" for name in names

@@ -51,7 +51,6 @@ def test_calls_run_in_another_process_in_order(rollout_module) -> None:
         assert rollout.call("add", amount=5) == 15
         assert rollout.call("add", amount=1) == 16
         assert rollout.call("pid") != os.getpid()
-        assert rollout.seconds["add"] >= 0
     finally:
         rollout.stop()
     assert not rollout._process.is_alive()
