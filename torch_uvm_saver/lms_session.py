@@ -57,6 +57,13 @@ Note [Quiet iterations]
     more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
     instead of paging; run the session with ``quiet=False`` where iterations vary that much.
 
+Note [Operators the planner sees]
+    Every operator passes through the dispatch mode, but only those that read a managed storage
+    reach the planner: they are its positions (the trace, prefetch_depth and the caps count them),
+    and an operator that reads none of the session's storages costs a walk over its arguments
+    and a dict lookup per tensor, no call into the planner. The order of such operators repeats
+    from one iteration to the next as the order of all operators does.
+
 Note [Expandable segments]
     Paging under a limit frees and takes blocks of every size all the time. PyTorch's allocator
     by default carves blocks out of fixed segments, and a large request (a loss's logits) can
@@ -129,14 +136,15 @@ def lms_session(
     """A session that trains ``modules`` with ``optimizers`` under ``limit`` bytes of device memory.
 
     Options (keywords): ``device``; ``budget`` (default ``limit - limit / 8``), what the managed
-    storages may hold on the device together; ``prefetch_depth``, how many operators ahead the
-    previous iteration's trace is read for prefetching (default 64, 0: off); ``min_bytes``,
-    smaller storages are never managed (default 1 MiB); ``quiet``, whether iterations in which
-    nothing had to move let the following ones run unwatched (default True: Note [Quiet
-    iterations]); ``expandable_segments``, whether PyTorch's allocator grows its segments in
-    place while the session is open (default True: Note [Expandable segments]);
-    ``optimizer_state``, where the optimizers' state lives: "device" (default, paged with
-    everything else), "host" (Note [Optimizer state on the host]) or "auto"
+    storages may hold on the device together; ``prefetch_depth``, how many operators ahead (of
+    those that read a managed storage: Note [Operators the planner sees]) the previous iteration's
+    trace is read for prefetching (default 64, 0: off); ``min_bytes``, smaller storages are never
+    managed (default 1 MiB); ``quiet``, whether iterations in which nothing had to move let the
+    following ones run unwatched (default True: Note [Quiet iterations]);
+    ``expandable_segments``, whether PyTorch's allocator grows its segments in place while the
+    session is open (default True: Note [Expandable segments]); ``optimizer_state``, where the
+    optimizers' state lives: "device" (default, paged with everything else), "host" (Note
+    [Optimizer state on the host]) or "auto"
     (``suggest_placement``'s choice).
     """
     return LmsSession(limit, modules, optimizers, **options)
@@ -222,10 +230,10 @@ class _Dispatch(TorchDispatchMode):
         session = self.session
         if session._busy:
             return func(*args, **kwargs)
-        ids = session._input_ids(args, kwargs)
+        ids = session._managed_inputs(args, kwargs)
         if _is_view(func):
             # Reads nothing, but PyTorch checks the view's bounds against the storage.
-            if session._out and not session._out.isdisjoint(ids):
+            if ids and session._out and not session._out.isdisjoint(ids):
                 session._bring_in(ids)
             return func(*args, **kwargs)
         if ids:
@@ -606,17 +614,40 @@ class LmsSession:
 
     # -- moving bytes --------------------------------------------------------------------------
 
-    def _input_ids(self, args: tuple, kwargs: dict) -> list[int]:
+    def _managed_inputs(self, args: tuple, kwargs: dict) -> list[int]:
+        """The managed storages an operator reads (Note [Operators the planner sees]). Only the
+        session's own storages are in ``_entries`` (their StorageImpl addresses stay unique while
+        the session holds a reference, weak or strong), so no device check is needed."""
+        entries = self._entries
         ids: list[int] = []
-        device = self.device
+        try:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    block = value.untyped_storage()._cdata
+                    if block in entries:
+                        ids.append(block)
+                elif isinstance(value, (list, tuple)):
+                    for item in value:
+                        if isinstance(item, torch.Tensor):
+                            block = item.untyped_storage()._cdata
+                            if block in entries:
+                                ids.append(block)
+        except (RuntimeError, NotImplementedError):
+            return self._managed_inputs_slowly(args, kwargs)
+        return ids
+
+    def _managed_inputs_slowly(self, args: tuple, kwargs: dict) -> list[int]:
+        """As _managed_inputs, for operators with a tensor that has no storage (sparse, nested,
+        a subclass): those are skipped, they are never managed."""
+        ids: list[int] = []
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                if value.device == device:
-                    ids.append(value.untyped_storage()._cdata)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    if isinstance(item, torch.Tensor) and item.device == device:
-                        ids.append(item.untyped_storage()._cdata)
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, torch.Tensor) and torch._C._has_storage(item):
+                    with contextlib.suppress(RuntimeError, NotImplementedError):
+                        block = item.untyped_storage()._cdata
+                        if block in self._entries:
+                            ids.append(block)
         return ids
 
     def _before(self, ids: list[int]) -> None:
