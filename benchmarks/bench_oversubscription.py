@@ -53,8 +53,9 @@ lms-v2-ckpt); none by default.
 Each child reports the median step time of --steps steps after --warmup (a device synchronize
 around each step), tokens/s (batch x seq / step), its peak device memory, the loss of every step
 (warm-up included) and the bytes moved per step over the timed steps:
-  lms-v2(-ckpt)      (pageout_bytes + pagein_bytes) / steps, the delta of session.stats() over
-                     the timed steps; also oom_retries' delta and the last stats() whole
+  lms-v2(-ckpt)      (pageout_bytes - clean_pageout_bytes + pagein_bytes + prefetch_bytes) /
+                     steps, the delta of session.stats() over the timed steps (a clean page-out
+                     copies nothing); also oom_retries' delta and the last stats() whole
   lms-vmm(-plain),   (pageout_bytes + pagein_bytes) / steps, from tus.memory_stats()
   lms-managed
   managed-budget     (prefetch_to_host_bytes + prefetch_to_device_bytes) / steps: the budget's

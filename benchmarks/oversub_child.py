@@ -121,6 +121,8 @@ MANAGED_COLUMNS = ("lms-managed", BUDGET)
 SESSION_KEYS = (
     "pageout_bytes",
     "pagein_bytes",
+    "prefetch_bytes",
+    "clean_pageout_bytes",
     "pageout_count",
     "pagein_count",
     "oom_retries",
@@ -606,7 +608,10 @@ def session_result(before: dict, after: dict, steps: int) -> dict:
     def delta(key: str) -> float:
         return stat(after, key) - stat(before, key)
 
-    moved = delta("pageout_bytes") + delta("pagein_bytes")
+    # Bytes over the link: page-outs that copied (a clean one copies nothing), page-ins on
+    # demand and ahead of need.
+    moved = delta("pageout_bytes") - delta("clean_pageout_bytes")
+    moved += delta("pagein_bytes") + delta("prefetch_bytes")
     return {
         "moved_bytes_per_step": moved / steps,
         "moved_kind": "measured",

@@ -94,7 +94,8 @@ ASSUMPTIONS = {
     "max_memory_reserved; the global hook: reserved_bytes.all.peak, for managed memory the "
     "managed bytes placed on the GPU), from after setup to the last step",
     "fits": f"peak <= limit x {FIT_SLACK}",
-    "moved_bytes": "lms-v2: session.stats() pageout_bytes + pagein_bytes; lms-vmm/managed: "
+    "moved_bytes": "lms-v2: session.stats() pageout_bytes - clean_pageout_bytes + pagein_bytes "
+    "+ prefetch_bytes; lms-vmm/managed: "
     "pageout + pagein bytes; managed-budget: budget prefetches only (fault migrations not "
     "counted); save-on-cpu and ckpt-save-on-cpu: 2 x bytes packed to the host; fsdp2: estimated "
     "2 x parameter bytes + gradient bytes",

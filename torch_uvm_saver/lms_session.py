@@ -64,6 +64,17 @@ Note [Operators the planner sees]
     and a dict lookup per tensor, no call into the planner. The order of such operators repeats
     from one iteration to the next as the order of all operators does.
 
+Note [Clean page-outs]
+    A storage keeps its pinned host copy once it has one, and the copy stays current until an
+    operator that may write the storage reads it (one whose schema is mutable: in place, out=,
+    the optimizer's fused step): paging a current storage out copies nothing, it only hands the
+    device block back. Parameters are read by the forward, the recomputation and the backward and
+    written only by the optimizer's step, so each goes out with a copy once an iteration and
+    without one after that. The allocator can reuse such a block at once: no copy holds it. What
+    this costs is host memory: up to a pinned copy of every managed storage ever paged out, for as
+    long as it lives. Writes the session cannot see (outside the block, in a quiet iteration)
+    make every copy stale when the next watched iteration begins.
+
 Note [Expandable segments]
     Paging under a limit frees and takes blocks of every size all the time. PyTorch's allocator
     by default carves blocks out of fixed segments, and a large request (a loss's logits) can
@@ -153,14 +164,17 @@ def lms_session(
 class _Entry:
     """One managed storage: how to reach it and, while it is out, its host copy."""
 
-    __slots__ = ("host", "nbytes", "out_event", "saved_refs", "strong", "weak")
+    __slots__ = ("host", "host_current", "nbytes", "out_event", "saved_refs", "strong", "weak")
 
     def __init__(self, storage: torch.UntypedStorage, persistent: bool) -> None:
         self.strong = storage if persistent else None
         self.weak = None if persistent else storage._weak_ref()
         self.nbytes = storage.nbytes()
+        # The host copy, kept once made (Note [Clean page-outs]); current while the device
+        # bytes have not been written since they were copied out or in.
         self.host: torch.Tensor | None = None
-        self.out_event: torch.cuda.Event | None = None  # the copy to the host is done
+        self.host_current = False
+        self.out_event: torch.cuda.Event | None = None  # the last copy to the host is done
         self.saved_refs = 0
 
     def storage(self) -> torch.UntypedStorage | None:
@@ -176,6 +190,7 @@ class _Entry:
             self.weak = None
         self.strong = None
         self.host = None
+        self.host_current = False
 
 
 class _Saved:
@@ -238,6 +253,8 @@ class _Dispatch(TorchDispatchMode):
             return func(*args, **kwargs)
         if ids:
             session._before(ids)
+            if _writes(func):
+                session._written(ids)
         result = session._run(func, args, kwargs, ids)
         if session._in_optimizer_step:
             session._adopt_outputs(result)
@@ -326,6 +343,8 @@ class LmsSession:
         self._optimizers = list(optimizers)
         modules = list(modules)
         self._oom_retries = 0
+        self._clean_pageouts = 0
+        self._clean_pageout_bytes = 0
         self._skipped_saved = 0
         self._saved_managed = 0
         self._previous_fraction: float | None = None
@@ -360,6 +379,9 @@ class LmsSession:
             self._peak_at_enter = self._allocator_peak()
             return self
         self._moves_at_enter = self._moves()
+        # Writes outside a watched block (between iterations, in quiet ones) went unseen.
+        for entry in self._entries.values():
+            entry.host_current = False
         self._registered_at_enter = self._planner.counters()["registered_bytes"]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
@@ -452,11 +474,14 @@ class LmsSession:
     def stats(self) -> dict[str, int]:
         """The planner's counters (bytes and counts of page-outs, page-ins and prefetches,
         prefetch hits and waste, budget, resident and registered bytes) and the session's own:
-        oom_retries (operators run again after making room), saved_managed (tensors autograd
-        saved that the session took on), skipped_saved (saved tensors left resident: Note [What
-        the session relocates])."""
+        oom_retries (operators run again after making room), clean_pageout_count and
+        clean_pageout_bytes (page-outs that copied nothing: Note [Clean page-outs]),
+        saved_managed (tensors autograd saved that the session took on), skipped_saved (saved
+        tensors left resident: Note [What the session relocates])."""
         out = dict(self._planner.counters())
         out["oom_retries"] = self._oom_retries
+        out["clean_pageout_count"] = self._clean_pageouts
+        out["clean_pageout_bytes"] = self._clean_pageout_bytes
         out["saved_managed"] = self._saved_managed
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
@@ -650,6 +675,12 @@ class LmsSession:
                             ids.append(block)
         return ids
 
+    def _written(self, ids: list[int]) -> None:
+        """An operator that may write its inputs reads these: their host copies are stale."""
+        entries = self._entries
+        for block in ids:
+            entries[block].host_current = False
+
     def _before(self, ids: list[int]) -> None:
         plan = self._planner.before_use(ids)
         if plan is not None:
@@ -708,7 +739,17 @@ class LmsSession:
                 f"{storage.nbytes()} bytes outside the session; resizing managed storages "
                 "is not supported"
             )
+        if entry.host_current:
+            # Note [Clean page-outs]: the host copy holds these bytes already. A prefetch still
+            # landing in the block keeps it from reuse until then (record_stream at the prefetch).
+            self._landing.pop(block, None)
+            self._clean_pageouts += 1
+            self._clean_pageout_bytes += entry.nbytes
+            storage.resize_(0)
+            self._out.add(block)
+            return
         device_bytes = _byte_view(storage)
+        host = entry.host  # the buffer of an earlier copy, reused: its reads are ordered before
         if self._cuda:
             stream = self._out_stream
             stream.wait_stream(self._current_stream())  # after its last use
@@ -716,13 +757,17 @@ class LmsSession:
             if landing is not None:
                 stream.wait_event(landing)
             with torch.cuda.stream(stream):
-                host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+                if host is None:
+                    host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
                 host.copy_(device_bytes, non_blocking=True)
                 entry.out_event = stream.record_event()
             device_bytes.record_stream(stream)  # the block is reused only after the copy
-        else:
+        elif host is None:
             host = device_bytes.clone()
+        else:
+            host.copy_(device_bytes)
         entry.host = host
+        entry.host_current = True
         del device_bytes
         storage.resize_(0)
         self._out.add(block)
@@ -752,7 +797,7 @@ class LmsSession:
                 stream.wait_stream(current)  # the fresh block may be memory still in use there
             else:
                 stream = current
-            if entry.out_event is not None:
+            if entry.out_event is not None:  # kept: a clean page-out copies nothing new
                 stream.wait_event(entry.out_event)
             with torch.cuda.stream(stream):
                 device_bytes.copy_(entry.host, non_blocking=True)
@@ -762,8 +807,7 @@ class LmsSession:
                 device_bytes.record_stream(stream)
         else:
             device_bytes.copy_(entry.host)
-        entry.host = None
-        entry.out_event = None
+        entry.host_current = True  # until an operator writes the block
         self._out.discard(block)
 
     # -- out of memory ---------------------------------------------------------------------
@@ -922,6 +966,18 @@ def _set_allocator_settings(settings: str) -> bool:
         return False  # an older PyTorch: the session runs on the segments it has
     setter(settings)
     return True
+
+
+_mutable: dict[object, bool] = {}
+
+
+def _writes(func: Any) -> bool:
+    """Whether an operator may write one of its arguments (in place, or an out= tensor)."""
+    writes = _mutable.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = _mutable[func] = schema is None or bool(schema.is_mutable)
+    return writes
 
 
 def _unpack(saved: Any) -> Any:
