@@ -309,7 +309,9 @@ def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_sam
 def test_suggest_placement_puts_large_optimizer_state_on_the_host():
     model, optimizer = make_model()  # AdamW: two moments a parameter
     state = 2 * sum(p.nbytes for p in model.parameters())
-    assert tus.suggest_placement([model], [optimizer], 2 * state) == {"optimizer_state": "host"}
+    # On the host once the state would take more than half the limit.
+    assert tus.suggest_placement([model], [optimizer], 2 * state - 1) == {"optimizer_state": "host"}
+    assert tus.suggest_placement([model], [optimizer], 2 * state) == {"optimizer_state": "device"}
     assert tus.suggest_placement([model], [optimizer], 8 * state) == {"optimizer_state": "device"}
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state at all
     assert tus.suggest_placement([model], [sgd], 1) == {"optimizer_state": "device"}
