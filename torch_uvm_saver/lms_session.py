@@ -855,7 +855,7 @@ class LmsSession:
             f"lms_session: out of memory under the limit of {self.limit} bytes"
             + (f" running {func}" if func is not None else " paging in")
             + f" ({counters['resident_bytes']} bytes of managed storages resident, budget "
-            f"{counters['budget_bytes']}, {len(ids)} inputs); {error}"
+            f"{counters['budget_bytes']}, {len(ids)} managed inputs); {error}"
         )
 
     # -- helpers ---------------------------------------------------------------------------
