@@ -920,7 +920,7 @@ class _Busy:
 
 PLACEMENTS = ("device", "host")
 # State on the host once it would take more than half the limit. Measured on an H200 (README,
-# "LMS v2"): GPT-2 medium's AdamW state at 0.29 and 0.39 of the limit (3x, 4x) trained faster
+# "LMS v2"): GPT-2 medium's AdamW state at 0.30 and 0.39 of the limit (3x, 4x) trained faster
 # paged with the rest (0.205 against 0.225 s, 0.308 against 0.317 s); GPT-2 XL's at 0.70 and
 # 1.05 of it (2x, 3x) faster read in place (0.508 against 0.745 s, 0.724 against 0.830 s).
 STATE_SHARE_FOR_HOST = 2
