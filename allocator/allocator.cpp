@@ -110,7 +110,12 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionC
   // Note [Allocating in a paused tag]: torch_memory_saver's callers are served.
   if (!region.allow_paused_tag) refuse_paused_tag_locked("malloc", region.tag);
   try {
-    return allocate_segment_locked(size, stream, region).ptr;
+    if (region.mode == Mode::kLms) {
+      lms_control_.make_room(backing_for(region.mode).rounded_size(size), region.tag);
+    }
+    Segment& segment = allocate_segment_locked(size, region);
+    admit_segment_locked(segment, stream, false);
+    return segment.ptr;
   } catch (const SizeOverflow& error) {
     throw_size_overflow("malloc", size, region, error);
   } catch (const OutOfMemory&) {
@@ -133,8 +138,7 @@ void Allocator::count_oom_locked(const RegionConfig& region) {
   stats_.for_scopes(region.mode, region.tag, [](ScopeStats& scope) { ++scope.num_ooms; });
 }
 
-Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle stream,
-                                            const RegionConfig& region, bool single_block) {
+Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig& region) {
   Backing& backing = backing_for(region.mode);
   auto segment = std::make_unique<Segment>();
   segment->requested = size;
@@ -158,7 +162,6 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     tag_state.policy.pinned = region.host_backup == HostBackup::kPinned;
     tag_state.policy.disk = false;
   }
-  if (region.mode == Mode::kLms) lms_control_.make_room(segment->size, region.tag);
   try {
     backing.allocate(*segment);
   } catch (const OutOfMemory& error) {
@@ -171,6 +174,10 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
   stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment));
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
+  return placed;
+}
+
+void Allocator::admit_segment_locked(Segment& placed, StreamHandle stream, bool single_block) {
   if (placed.on_managed_memory()) managed_residency_.admit(placed, stream);
   if (placed.mode == Mode::kLms) lms_control_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
@@ -184,7 +191,6 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, StreamHandle strea
     placed.pin_ahead = true;
     expect_pinned_buffer_locked(placed);
   }
-  return placed;
 }
 
 void Allocator::expect_pinned_buffer_locked(Segment& segment) {
@@ -244,9 +250,9 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
   segments_.erase(it);
 }
 
-Segment& Allocator::allocate_segment(std::size_t size, StreamHandle stream,
-                                     const RegionConfig& region, bool single_block) {
-  return allocate_segment_locked(size, stream, region, single_block);
+Segment& Allocator::allocate_segment(std::size_t size, StreamHandle /*stream*/,
+                                     const RegionConfig& region, bool /*single_block*/) {
+  return allocate_segment_locked(size, region);  // admitted once handed out (Note [Claims])
 }
 
 std::vector<Segment*> Allocator::segments_of_mode_locked(Mode mode) {
@@ -259,7 +265,7 @@ std::vector<Segment*> Allocator::segments_of_mode_locked(Mode mode) {
 
 void Allocator::release_segment(Segment& segment) { free_locked(segment.ptr); }
 
-void Allocator::reuse_segment(Segment& segment, StreamHandle stream) {
+void Allocator::reuse_segment_locked(Segment& segment, StreamHandle stream) {
   if (segment.mode == Mode::kLms) {
     lms_control_.reuse(segment, stream);
     return;
@@ -302,27 +308,73 @@ DevicePtr Allocator::block_malloc(std::size_t size, StreamHandle stream,
   // A cached block of a paused tag has no memory under it: refused for every caller
   // (Note [Allocating in a paused tag]).
   refuse_paused_tag_locked("block_malloc", region.tag);
-  const std::size_t misses = blocks_.counters().cache_misses;
-  const std::size_t retries = blocks_.counters().alloc_retries;
-  std::size_t bytes = 0;
-  DevicePtr ptr = 0;
+  bool missed = false;
+  bool retried = false;
+  BlockCache::Placed placed;
   try {
-    ptr = blocks_.malloc(size, stream, region, &bytes);
+    try {
+      placed = place_block_locked(size, stream, region, &missed);
+    } catch (const SizeOverflow&) {
+      throw;  // the rounding itself: no ladder can help
+    } catch (const OutOfMemory&) {
+      // The cache's ladder (block_cache.h): wait for pending frees, give back every wholly free
+      // segment, try once more.
+      retried = true;
+      blocks_.settle_for_retry();
+      bool ignored = false;
+      placed = place_block_locked(size, stream, region, &ignored);
+    }
   } catch (const SizeOverflow& error) {
     throw_size_overflow("block_malloc", size, region, error);
   } catch (const OutOfMemory&) {
+    count_block_malloc_locked(region, missed, retried, 0);
     count_oom_locked(region);
     throw;
   }
-  const auto new_misses = static_cast<std::int64_t>(blocks_.counters().cache_misses - misses);
-  if (region.mode == Mode::kLms && new_misses == 0) ++lms_.distribution().freelist;
-  const auto new_retries = static_cast<std::int64_t>(blocks_.counters().alloc_retries - retries);
+  count_block_malloc_locked(region, missed, retried, placed.bytes);
+  return placed.ptr;
+}
+
+BlockCache::Placed Allocator::place_block_locked(std::size_t size, StreamHandle stream,
+                                                 const RegionConfig& region, bool* missed) {
+  // Note [Claims] in block_cache.h: the residency policy runs before the cache hands anything
+  // out, never from inside it.
+  BlockCache::Claim claim = blocks_.claim(size, stream, region);
+  *missed = claim.cached_segment() == nullptr;
+  BlockCache::Placed placed;
+  try {
+    if (Segment* cached = claim.cached_segment()) {
+      reuse_segment_locked(*cached, stream);
+    } else if (region.mode == Mode::kLms) {
+      const std::size_t bytes = backing_for(region.mode).rounded_size(claim.new_segment_bytes());
+      lms_control_.make_room(bytes, region.tag);
+    }
+    placed = blocks_.commit(claim);
+  } catch (...) {
+    blocks_.abandon(claim);
+    throw;
+  }
+  if (placed.new_segment != nullptr) {
+    try {
+      admit_segment_locked(*placed.new_segment, stream, claim.single_block());
+    } catch (...) {
+      std::size_t bytes = 0;
+      Segment* segment = nullptr;
+      blocks_.free(placed.ptr, &bytes, &segment);  // back to the cache: nothing handed out
+      throw;
+    }
+  }
+  return placed;
+}
+
+void Allocator::count_block_malloc_locked(const RegionConfig& region, bool missed, bool retried,
+                                          std::size_t bytes) {
+  if (region.mode == Mode::kLms && bytes > 0 && !missed) ++lms_.distribution().freelist;
   stats_.for_scopes(region.mode, region.tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(static_cast<std::int64_t>(bytes));
-    scope.num_block_cache_misses += new_misses;
-    scope.num_alloc_retries += new_retries;
+    scope.num_block_cache_misses += missed ? 1 : 0;
+    scope.num_alloc_retries += retried ? 1 : 0;
   });
-  return ptr;
 }
 
 bool Allocator::block_free(DevicePtr ptr) noexcept {

@@ -253,8 +253,20 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   Backing& backing_for(Mode mode);
   Backing& backing_of(const Segment& segment);
   std::vector<Segment*> segments_of_mode_locked(Mode mode);
-  Segment& allocate_segment_locked(std::size_t size, StreamHandle stream,
-                                   const RegionConfig& region, bool single_block = false);
+  // A new segment for `region`, mapped and registered, counted in the stats; not yet admitted.
+  Segment& allocate_segment_locked(std::size_t size, const RegionConfig& region);
+  // The residency managers take a new segment on (LMS's reclaim list, the managed budget, pinning
+  // ahead); called once it is handed out.
+  void admit_segment_locked(Segment& segment, StreamHandle stream, bool single_block);
+  // A cached block of `segment` is about to be handed out again: paged in (LMS) or re-admitted
+  // to the device budget (managed). Throws when it cannot be used.
+  void reuse_segment_locked(Segment& segment, StreamHandle stream);
+  // One try at a global-mode block (Note [Claims] in block_cache.h); `missed` is set when no
+  // cached block served it.
+  BlockCache::Placed place_block_locked(std::size_t size, StreamHandle stream,
+                                        const RegionConfig& region, bool* missed);
+  void count_block_malloc_locked(const RegionConfig& region, bool missed, bool retried,
+                                 std::size_t bytes);
   void count_oom_locked(const RegionConfig& region);
   [[noreturn]] void throw_size_overflow(const char* call, std::size_t size,
                                         const RegionConfig& region,
@@ -269,7 +281,6 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   Segment& allocate_segment(std::size_t size, StreamHandle stream, const RegionConfig& region,
                             bool single_block) override;
   void release_segment(Segment& segment) override;
-  void reuse_segment(Segment& segment, StreamHandle stream) override;
   std::size_t single_block_bytes(Mode mode) override;
   // SnapshotSpans, for the SnapshotStore; called with the mutex held.
   std::vector<SpanPiece> locate(const std::string& call, DevicePtr ptr, std::size_t size) override;

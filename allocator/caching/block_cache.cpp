@@ -115,8 +115,8 @@ void BlockCache::split(Block* block, std::size_t size) {
   block->pool->free_blocks.insert(rest);
 }
 
-DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
-                             std::size_t* block_bytes) {
+BlockCache::Claim BlockCache::claim(std::size_t size, StreamHandle stream,
+                                    const RegionConfig& region) {
   // Every rounding first, checked: a size that cannot be represented fails before anything
   // changes (Note [Sizes past the address space] in errors.h).
   std::size_t rounded = round_up_checked(size == 0 ? 1 : size, kRound);
@@ -124,45 +124,52 @@ DevicePtr BlockCache::malloc(std::size_t size, StreamHandle stream, const Region
   const bool single = single_from > 0 && rounded >= single_from;
   if (single) rounded = round_up_checked(rounded, 2 * kMiB);
   const bool small = !single && rounded <= kSmallRequest;
-  const std::size_t segment_size = segment_bytes(rounded, small, single);
-  Pool& pool = pool_for(region, small, single);
+  Claim claim;
+  claim.segment_size_ = segment_bytes(rounded, small, single);
+  claim.rounded_ = rounded;
+  claim.stream_ = stream;
+  claim.region_ = &region;
+  claim.pool_ = &pool_for(region, small, single);
   // Blocks whose other streams have finished go back first, so they are found by the best fit
   // (as PyTorch processes its events at every malloc). Nothing to do on the usual path.
   if (!pending_.empty()) process_pending_frees(false);
-  Block* block = take_cached(pool, stream, rounded);
-  if (block == nullptr) {
-    ++counters_.cache_misses;
-    try {
-      block = new_segment_block(pool, segment_size, stream, region);
-    } catch (const SizeOverflow&) {
-      throw;  // the source's own rounding: no ladder can help
-    } catch (const OutOfMemory&) {
-      // The ladder: wait for pending frees, give back every wholly free segment, retry once.
-      ++counters_.alloc_retries;
-      process_pending_frees(true);
-      release_free_segments();
-      block = take_cached(pool, stream, rounded);
-      if (block == nullptr) block = new_segment_block(pool, segment_size, stream, region);
-    }
-  }
-  split(block, rounded);
-  block->allocated = true;
-  live_[block->ptr] = block;
-  *block_bytes = block->size;
-  return block->ptr;
+  claim.block_ = best_fit(*claim.pool_, stream, rounded);
+  return claim;
 }
 
-BlockCache::Block* BlockCache::take_cached(Pool& pool, StreamHandle stream, std::size_t size) {
-  Block* block = best_fit(pool, stream, size);
-  if (block == nullptr) return nullptr;
-  try {
-    source_.reuse_segment(*block->segment, stream);
-  } catch (...) {
-    pool.free_blocks.insert(block);  // still cached; the allocation fails
-    if (pool.key.single) single_free_bytes_ += block->size;
-    throw;
+Segment* BlockCache::Claim::cached_segment() const {
+  return block_ == nullptr ? nullptr : block_->segment;
+}
+
+bool BlockCache::Claim::single_block() const { return pool_->key.single; }
+
+BlockCache::Placed BlockCache::commit(Claim& claim) {
+  Placed placed;
+  Block* block = claim.block_;
+  if (block == nullptr) {
+    block = new_segment_block(*claim.pool_, claim.segment_size_, claim.stream_, *claim.region_);
+    placed.new_segment = block->segment;
   }
-  return block;
+  claim.block_ = nullptr;  // handed out: nothing left to abandon
+  split(block, claim.rounded_);
+  block->allocated = true;
+  live_[block->ptr] = block;
+  placed.ptr = block->ptr;
+  placed.bytes = block->size;
+  return placed;
+}
+
+void BlockCache::abandon(Claim& claim) {
+  Block* block = claim.block_;
+  if (block == nullptr) return;
+  claim.block_ = nullptr;
+  claim.pool_->free_blocks.insert(block);  // still cached; the allocation fails
+  if (claim.pool_->key.single) single_free_bytes_ += block->size;
+}
+
+void BlockCache::settle_for_retry() {
+  process_pending_frees(true);
+  release_free_segments();
 }
 
 void BlockCache::return_to_pool(Block* block) {

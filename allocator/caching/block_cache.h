@@ -15,6 +15,15 @@
 //  - Out of memory: wait for pending frees, release every wholly free cached segment, retry once,
 //    then raise with the report (num_alloc_retries counts the retries).
 //
+// Note [Claims]
+//  An allocation takes two steps, so that the residency policy (LMS's ladder and page-in, the
+//  managed device budget) runs between them, before the cache hands anything out and never from
+//  inside it: `claim` takes the block a request would get off the free lists, or finds none (a
+//  new segment will be needed, and the claim says how large); the Allocator makes room or pages
+//  the claimed block's segment in; `commit` maps the new segment if any and hands the block
+//  out, or `abandon` puts the claimed block back. Between the two the cache is consistent: the
+//  claimed block is on no list, so the ladder's releases cannot give it back.
+//
 // Note [Stream-ordered reuse]
 //  A block freed on the host may still be in use by kernels queued on its stream. It goes back
 //  to the free blocks of that stream only, so the next user on the same stream is ordered after
@@ -51,25 +60,21 @@ namespace tus {
 class SegmentSource {
  public:
   virtual ~SegmentSource() = default;
-  // A new segment of at least `size` bytes for `region`; `single_block` when it will hold exactly
+  // A new segment of at least `size` bytes for `region`, mapped and registered; residency policy
+  // is not the source's business here (Note [Claims]). `single_block` when it will hold exactly
   // one block, never split. Throws OutOfMemory.
   virtual Segment& allocate_segment(std::size_t size, StreamHandle stream,
                                     const RegionConfig& region, bool single_block) = 0;
   virtual void release_segment(Segment& segment) = 0;
-  // A cached block of `segment` is about to be handed out again; may throw (then the block stays
-  // cached and the allocation fails).
-  virtual void reuse_segment(Segment& segment, StreamHandle stream) = 0;
   // Requests of at least this many bytes in `mode` get a segment of their own, never split
   // (0: none do). LMS pages out whole segments (Note [LMS blocks] in lms_residency.h).
   virtual std::size_t single_block_bytes(Mode mode) = 0;
 };
 
-struct BlockCacheCounters {
-  std::size_t cache_misses = 0;
-  std::size_t alloc_retries = 0;
-};
-
 class BlockCache {
+  struct Block;
+  struct Pool;
+
  public:
   static constexpr std::size_t kRound = 512;
   static constexpr std::size_t kSmallRequest = 1 * kMiB;
@@ -83,9 +88,40 @@ class BlockCache {
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
-  // Returns the block's address; `block_bytes` receives its rounded size.
-  DevicePtr malloc(std::size_t size, StreamHandle stream, const RegionConfig& region,
-                   std::size_t* block_bytes);
+  // Note [Claims]. Holds a claimed block until commit or abandon; `region` must outlive it.
+  class Claim {
+   public:
+    // The segment of the cached block claimed, or nullptr when commit maps a new one.
+    Segment* cached_segment() const;
+    // Without a cached block: the bytes of the segment commit asks the source for.
+    std::size_t new_segment_bytes() const { return block_ == nullptr ? segment_size_ : 0; }
+    bool single_block() const;  // the block is a segment of its own (LMS pages those)
+
+   private:
+    friend class BlockCache;
+    Pool* pool_ = nullptr;
+    Block* block_ = nullptr;
+    std::size_t rounded_ = 0;
+    std::size_t segment_size_ = 0;
+    StreamHandle stream_ = nullptr;
+    const RegionConfig* region_ = nullptr;
+  };
+  struct Placed {
+    DevicePtr ptr = 0;
+    std::size_t bytes = 0;           // the block's rounded size
+    Segment* new_segment = nullptr;  // the segment commit mapped for it, if it did
+  };
+  // Rounds the request and claims the best-fitting cached block, if any. Throws SizeOverflow for
+  // a size that cannot be rounded.
+  Claim claim(std::size_t size, StreamHandle stream, const RegionConfig& region);
+  // Hands the claimed block out, or a block of a new segment from the source (which may throw
+  // OutOfMemory: nothing is held then).
+  Placed commit(Claim& claim);
+  // Puts a claimed block back on its free list (a no-op after commit or without a block).
+  void abandon(Claim& claim);
+  // The cache's own ladder before a failed request is tried once more: waits for pending frees
+  // and gives back every wholly free segment.
+  void settle_for_retry();
   // Returns false if `ptr` is not a live block; otherwise its rounded size and its segment.
   bool free(DevicePtr ptr, std::size_t* block_bytes, Segment** segment);
   // Note [Stream-ordered reuse]. Throws InvalidArgument for an address that is not a live block.
@@ -104,11 +140,8 @@ class BlockCache {
 
   std::size_t cached_bytes() const;   // free blocks held, pending ones included
   std::size_t pending_bytes() const;  // freed blocks waiting for other streams (record_stream)
-  const BlockCacheCounters& counters() const { return counters_; }
 
  private:
-  struct Block;
-  struct Pool;
   struct BySize {
     bool operator()(const Block* a, const Block* b) const;
   };
@@ -128,8 +161,6 @@ class BlockCache {
 
   Pool& pool_for(const RegionConfig& region, bool small, bool single);
   Block* best_fit(Pool& pool, StreamHandle stream, std::size_t size);
-  // best_fit, and the source told the block is in use again.
-  Block* take_cached(Pool& pool, StreamHandle stream, std::size_t size);
   // The segment a block of `rounded` bytes is cut from (the size classes above).
   static std::size_t segment_bytes(std::size_t rounded, bool small, bool single);
   Block* new_segment_block(Pool& pool, std::size_t segment_size, StreamHandle stream,
@@ -148,7 +179,6 @@ class BlockCache {
   std::unordered_map<DevicePtr, Block*> live_;
   std::vector<Block*> pending_;  // freed, waiting for events on other streams
   std::vector<EventHandle> spare_events_;
-  BlockCacheCounters counters_;
   std::size_t single_free_bytes_ = 0;
 };
 

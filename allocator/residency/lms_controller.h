@@ -3,7 +3,8 @@
 // segment is mapped (Note [The allocation ladder]), the headroom kept under the limit (Note
 // [Paging out ahead]), the prefetch of the last iteration's page-ins after each pin (Note
 // [Speculation and prefetch]), and pinning and unpinning by address. The Allocator only locks
-// and dispatches: every method here runs with the Allocator's mutex held.
+// and dispatches: every method here runs with the Allocator's mutex held, and before the
+// global-mode cache hands a block out, never from inside it (Note [Claims] in block_cache.h).
 #pragma once
 
 #include <cstddef>
