@@ -131,6 +131,10 @@ def test_out_of_memory_ladder_releases_the_cache_and_retries(make_pair) -> None:
     with pytest.raises(OutOfMemoryError, match=r"out of memory allocating 50\.00 MiB") as error:
         alloc(allocator, 50 * MiB)
     assert "free of 64.00 MiB" in str(error.value)
+    # The refused request is counted when it is refused, not folded into the next success.
+    stats = allocator.stats()
+    assert stats["num_alloc_retries.all"] == 2
+    assert stats["num_block_cache_misses.all"] == 4
     allocator.block_free(ptr)
 
 
