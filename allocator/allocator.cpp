@@ -27,19 +27,22 @@ struct ResidencyChange {
   double seconds = 0.0;
 };
 
+// `vmm` segments only: no residency manager keeps anything about them.
 template <typename Operation>
 ResidencyChange change_residency(StatsBook& stats, const std::string& tag,
                                  const std::vector<Segment*>& segments, Operation operation) {
   ResidencyChange change;
   const auto start = std::chrono::steady_clock::now();
-  for (const Segment* segment : segments) change.before.push_back(footprint(*segment));
+  for (const Segment* segment : segments) {
+    change.before.push_back(footprint(*segment, nullptr, nullptr));
+  }
   try {
     operation();
   } catch (...) {
     change.error = std::current_exception();
   }
   for (std::size_t i = 0; i < segments.size(); ++i) {
-    change.after.push_back(footprint(*segments[i]));
+    change.after.push_back(footprint(*segments[i], nullptr, nullptr));
     stats.apply(Mode::kVmm, tag, change.before[i], change.after[i]);
   }
   change.seconds = seconds_since(start);
@@ -84,7 +87,7 @@ Backing& Allocator::backing_for(Mode mode) {
 }
 
 Backing& Allocator::backing_of(const Segment& segment) {
-  if (segment.on_managed_memory()) return managed_;
+  if (segment.on_managed) return managed_;
   return backing_for(segment.mode);
 }
 
@@ -114,7 +117,7 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionC
       lms_control_.make_room(backing_for(region.mode).rounded_size(size), region.tag);
     }
     Segment& segment = allocate_segment_locked(size, region);
-    admit_segment_locked(segment, stream, false);
+    admit_segment_locked(segment, stream, region, false);
     return segment.ptr;
   } catch (const SizeOverflow& error) {
     throw_size_overflow("malloc", size, region, error);
@@ -138,6 +141,13 @@ void Allocator::count_oom_locked(const RegionConfig& region) {
   stats_.for_scopes(region.mode, region.tag, [](ScopeStats& scope) { ++scope.num_ooms; });
 }
 
+ManagedAdvice Allocator::resolved_advice(const RegionConfig& region) const {
+  ManagedAdvice advice = region.advice;  // kept by the ManagedResidency once admitted
+  // RFC-0023's default: device allocations prefer their own GPU.
+  if (advice.preferred.is_none()) advice.preferred = MemLocation::on_device(device_);
+  return advice;
+}
+
 Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig& region) {
   Backing& backing = backing_for(region.mode);
   auto segment = std::make_unique<Segment>();
@@ -146,15 +156,9 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
   segment->mode = region.mode;
   segment->tag = region.tag;
   segment->cpu_backup = region.cpu_backup || region.disk_backup;
-  segment->lms.managed = region.mode == Mode::kLms && lms_on_managed_;
-  if (segment->on_managed_memory()) {
-    segment->managed.advice = region.advice;
-    // RFC-0023's default: device allocations prefer their own GPU.
-    if (region.advice.preferred.is_none()) {
-      segment->managed.advice.preferred = MemLocation::on_device(device_);
-    }
-    managed_residency_.check_guard(segment->size, region.tag);
-  }
+  segment->on_managed =
+      region.mode == Mode::kManaged || (region.mode == Mode::kLms && lms_on_managed_);
+  if (segment->on_managed) managed_residency_.check_guard(segment->size, region.tag);
   TagState& tag_state = tag_state_locked(region.tag);  // a tag exists from its first allocation
   if (region.disk_backup) {
     tag_state.policy.disk = true;
@@ -163,7 +167,11 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
     tag_state.policy.disk = false;
   }
   try {
-    backing.allocate(*segment);
+    if (segment->on_managed) {
+      managed_.allocate(*segment, resolved_advice(region));
+    } else {
+      backing.allocate(*segment);
+    }
   } catch (const OutOfMemory& error) {
     Message message;
     message << "out of memory allocating " << format_bytes(segment->size) << " ("
@@ -171,14 +179,16 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
             << "): " << memory_report_locked() << ". Driver: " << error.what();
     throw OutOfMemory(message.str());
   }
-  stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment));
+  // Not admitted yet: nothing placed, pinned or paged out (the admissions apply what they change).
+  stats_.apply(segment->mode, segment->tag, Footprint{}, footprint(*segment, nullptr, nullptr));
   Segment& placed = *segment;
   segments_[segment->ptr] = std::move(segment);
   return placed;
 }
 
-void Allocator::admit_segment_locked(Segment& placed, StreamHandle stream, bool single_block) {
-  if (placed.on_managed_memory()) managed_residency_.admit(placed, stream);
+void Allocator::admit_segment_locked(Segment& placed, StreamHandle stream,
+                                     const RegionConfig& region, bool single_block) {
+  if (placed.on_managed) managed_residency_.admit(placed, resolved_advice(region), stream);
   if (placed.mode == Mode::kLms) lms_control_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
     try {
@@ -229,9 +239,11 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     return;
   }
   Segment& segment = *it->second;
-  const Footprint before = footprint(segment);
-  if (segment.on_managed_memory()) managed_residency_.forget(segment);
+  const Footprint before =
+      footprint(segment, managed_residency_.state(segment), lms_.block(segment));
+  // The lms record first: it points into the managed one (LmsBlock::managed).
   if (segment.mode == Mode::kLms) lms_.forget(segment);
+  if (segment.on_managed) managed_residency_.forget(segment);
   try {
     backing_of(segment).deallocate(segment);
   } catch (const CudaError& error) {
@@ -356,7 +368,7 @@ BlockCache::Placed Allocator::place_block_locked(std::size_t size, StreamHandle 
   }
   if (placed.new_segment != nullptr) {
     try {
-      admit_segment_locked(*placed.new_segment, stream, claim.single_block());
+      admit_segment_locked(*placed.new_segment, stream, region, claim.single_block());
     } catch (...) {
       std::size_t bytes = 0;
       Segment* segment = nullptr;
@@ -382,7 +394,10 @@ bool Allocator::block_free(DevicePtr ptr) noexcept {
   std::size_t bytes = 0;
   Segment* segment = nullptr;
   if (!blocks_.free(ptr, &bytes, &segment)) return false;
-  if (segment->mode == Mode::kLms && segment->lms.reclaimable) lms_.release(*segment);
+  if (segment->mode == Mode::kLms) {
+    LmsBlock* block = lms_.block(*segment);
+    if (block != nullptr && block->reclaimable) lms_.release(*block);
+  }
   stats_.for_scopes(segment->mode, segment->tag, [&](ScopeStats& scope) {
     scope.block_bytes.change(-static_cast<std::int64_t>(bytes));
   });
@@ -404,7 +419,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   std::lock_guard<std::mutex> lock(mutex_);
   if (to.is_none()) TUS_THROW(InvalidArgument, "prefetch needs a destination (cpu or a device)");
   Segment* segment = segment_containing_locked(ptr);
-  if (segment != nullptr && !segment->on_managed_memory()) {
+  if (segment != nullptr && !segment->on_managed) {
     TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is "
                                             << mode_name(segment->mode)
                                             << " memory, not managed memory");
@@ -416,7 +431,10 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   if (segment == nullptr && !driver_->is_managed(device_, ptr)) {
     TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is not managed memory");
   }
-  const std::size_t scheduled = managed_residency_.prefetch(segment, ptr, size, to, stream);
+  // An `lms` block's record goes along: its footprint counts what is paged out.
+  const LmsBlock* block =
+      segment != nullptr && segment->mode == Mode::kLms ? lms_.block(*segment) : nullptr;
+  const std::size_t scheduled = managed_residency_.prefetch(segment, block, ptr, size, to, stream);
   if (segment != nullptr && to.kind == MemLocation::Kind::kDevice) {
     enforce_budget_locked(segment, stream);
   }
@@ -429,27 +447,7 @@ void Allocator::advise(DevicePtr ptr, std::size_t size, Advice advice, MemLocati
   // Advice on a whole segment of ours becomes its own: the budget restores it on re-admission.
   Segment* segment = segment_containing_locked(ptr);
   if (segment == nullptr || segment->ptr != ptr || size < segment->size) return;
-  ManagedAdvice& own = segment->managed.advice;
-  switch (advice) {
-    case Advice::kSetPreferredLocation:
-      own.preferred = location;
-      break;
-    case Advice::kUnsetPreferredLocation:
-      own.preferred = MemLocation::none();
-      break;
-    case Advice::kSetAccessedBy:
-      own.accessed_by = location;
-      break;
-    case Advice::kUnsetAccessedBy:
-      own.accessed_by.reset();
-      break;
-    case Advice::kSetReadMostly:
-      own.read_mostly = true;
-      break;
-    case Advice::kUnsetReadMostly:
-      own.read_mostly = false;
-      break;
-  }
+  managed_residency_.adopt_advice(*segment, advice, location);
 }
 
 RangeAttributes Allocator::range_attributes(DevicePtr ptr, std::size_t size) {

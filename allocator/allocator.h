@@ -257,7 +257,10 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   Segment& allocate_segment_locked(std::size_t size, const RegionConfig& region);
   // The residency managers take a new segment on (LMS's reclaim list, the managed budget, pinning
   // ahead); called once it is handed out.
-  void admit_segment_locked(Segment& segment, StreamHandle stream, bool single_block);
+  void admit_segment_locked(Segment& segment, StreamHandle stream, const RegionConfig& region,
+                            bool single_block);
+  // The advice managed memory of `region` gets: the region's, its own GPU preferred by default.
+  ManagedAdvice resolved_advice(const RegionConfig& region) const;
   // A cached block of `segment` is about to be handed out again: paged in (LMS) or re-admitted
   // to the device budget (managed). Throws when it cannot be used.
   void reuse_segment_locked(Segment& segment, StreamHandle stream);

@@ -22,9 +22,9 @@ std::string segment_layout(const Segment& segment) {
 
 // The bytes of an `lms` block can be read or written only while it is resident and no page-out
 // copy is in flight (Note [Snapshots of paused memory]).
-bool lms_block_settled(const Segment& segment) {
-  if (segment.mode != Mode::kLms) return true;
-  return segment.lms.state != LmsState::kReclaimed && segment.lms.state != LmsState::kPagingOut;
+bool lms_block_settled(const LmsBlock* block) {
+  if (block == nullptr) return true;  // no lms record: nothing of it is paged
+  return block->state != LmsState::kReclaimed && block->state != LmsState::kPagingOut;
 }
 
 }  // namespace
@@ -143,7 +143,7 @@ std::vector<SpanPiece> Allocator::locate(const std::string& call, DevicePtr ptr,
       continue;
     }
     const DevicePtr stop = std::min(end, segment->ptr + segment->size);
-    if (!lms_block_settled(*segment)) {
+    if (segment->mode == Mode::kLms && !lms_block_settled(lms_.block(*segment))) {
       TUS_THROW(InvalidState, call << ": the memory at " << hex_address(at) << " is an lms block "
                                    << "that is paged out or being paged out; pin it first "
                                    << "(tus.pinned) and call again");

@@ -1,14 +1,13 @@
 // Segment: one allocation handed to the client (for PyTorch's caching allocator, one segment it
 // splits into tensors). Owned by the Allocator's segment table; backings and the residency layer
-// change its physical state, the Allocator derives every statistic from it.
+// change its physical state, the Allocator derives every statistic from it (with what the
+// residency managers keep about it per mode: residency/managed_state.h, residency/lms_block.h).
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "allocator/region_config.h"
 #include "allocator/residency/host_buffer.h"
 #include "allocator/types.h"
 
@@ -28,52 +27,6 @@ struct Chunk {
   bool stale = false;
 };
 
-// What the allocator knows about a managed segment's bytes. Locations are tracked per 2 MiB page
-// as our own prefetches left them (Note [Tracked residency] in managed_residency.h).
-struct ManagedState {
-  static constexpr std::size_t kPageBytes = 2 * kMiB;
-
-  ManagedAdvice advice;  // as applied at allocation, the allocating device resolved
-  int device = 0;        // the allocating device: its pages are this allocator's device memory
-  std::vector<MemLocation> pages;  // tracked location of each 2 MiB page: host, or which GPU
-  std::uint64_t last_use = 0;      // LRU tick of the device budget
-  bool evicted = false;            // the budget moved it to the host with host-side advice
-};
-
-// Large Model Support state of an `lms` segment (residency/lms_residency.h).
-enum class LmsState : int {
-  kAllocated = 0,  // resident, never pinned since it was handed out: not reclaimable (a library's
-                   // workspace, say, that no operator pins while using it)
-  kActive = 1,     // resident and pinned: never reclaimed
-  kInactive = 2,   // resident, pinned before and unpinned since: on the reclaim list
-  kReclaimed = 3,  // paged out: its bytes are on the host, its addresses hold no memory
-  kPagingOut = 4,  // a page-out's copy is in flight; still mapped until it is done
-};
-
-struct Segment;
-
-struct LmsLinks {
-  int pins = 0;
-  LmsState state = LmsState::kAllocated;
-  bool reclaimable = true;  // false below set_size_lms: never paged out
-  bool on_list = false;     // linked into the reclaim list
-  Segment* prev = nullptr;  // reclaim list neighbours (intrusive: no allocation)
-  Segment* next = nullptr;
-  StreamHandle stream = nullptr;  // the stream that last used it (allocation or pin)
-  bool managed = false;           // on managed memory: page-out is a prefetch to the host
-  // Recorded on `stream` when the block went inactive (its last unpin, or a prefetch): a page-out
-  // copies behind it, so it waits for the kernels that used the block and for nothing else.
-  EventHandle last_use = nullptr;
-  // LmsHistory bookkeeping (lms_history.h).
-  std::uint64_t last_unpin = 0;        // the unpin count of its last unpin...
-  std::uint64_t unpin_iteration = 0;   // ...in this iteration
-  EventHandle pageout_done = nullptr;  // kPagingOut: after the copy to the host
-  bool speculative = false;            // paged out (or paging out) by speculation
-  std::uint64_t speculated_at = 0;     // ladder reclaims counted when the speculation began
-  bool prefetched = false;             // paged in ahead of use, not pinned since
-  bool freed = false;                  // its block was freed: cached, nothing in it is alive
-};
-
 struct Segment {
   DevicePtr ptr = 0;
   std::size_t requested = 0;  // bytes the client asked for
@@ -86,8 +39,10 @@ struct Segment {
   // The segment's backup file (residency/disk_backup.h) while it exists: paused with a disk
   // policy, or retained after resume. Empty otherwise.
   std::string disk_file;
-  ManagedState managed;  // mode kManaged only
-  LmsLinks lms;          // mode kLms only
+  // cuMemAllocManaged memory: the `managed` mode, or `lms` blocks with set_backing_lms("managed").
+  // A physical fact fixed at allocation; what each mode keeps about the segment lives with its
+  // residency manager (ManagedState, LmsBlock), not here.
+  bool on_managed = false;
   // Note [Pinning ahead] in host_buffer_pool.h: allocated with pinning ahead on, for a pinned
   // backup; `pin_ahead_expected` while the host pool counts it among the buffers to have ready.
   bool pin_ahead = false;
@@ -110,10 +65,6 @@ struct Segment {
     return bytes;
   }
   bool paused() const { return resident_bytes() < size; }
-  // Managed memory: the `managed` mode, or `lms` blocks on managed memory.
-  bool on_managed_memory() const {
-    return mode == Mode::kManaged || (mode == Mode::kLms && lms.managed);
-  }
   bool has_mapped_chunk() const { return mapped_bytes() > 0; }
   // Some chunk's only copy of its bytes is in the backup (unmapped, or mapped but stale): the
   // backup must be kept, and a pause must add to it rather than start a new one.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "allocator/log.h"
+#include "allocator/residency/managed_state.h"  // the page size the residency tracks
 
 namespace tus {
 
@@ -13,10 +14,10 @@ std::size_t ManagedBacking::rounded_size(std::size_t requested) {
   return round_up_checked(bytes, static_cast<std::size_t>(getpagesize()));
 }
 
-void ManagedBacking::allocate(Segment& segment) {
+void ManagedBacking::allocate(Segment& segment, const ManagedAdvice& advice) {
   segment.ptr = driver_.mem_alloc_managed(device_, segment.size);
   try {
-    apply_advice(segment.ptr, segment.size, segment.managed.advice);
+    apply_advice(segment.ptr, segment.size, advice);
   } catch (...) {
     driver_.mem_free(device_, segment.ptr);
     segment.ptr = 0;

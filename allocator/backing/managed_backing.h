@@ -6,6 +6,7 @@
 
 #include "allocator/backing/backing.h"
 #include "allocator/driver/driver.h"
+#include "allocator/region_config.h"
 
 namespace tus {
 
@@ -18,8 +19,11 @@ class ManagedBacking final : public Backing {
   // Page-sized below 2 MiB, whole 2 MiB pages above (the driver migrates large pages fastest).
   std::size_t rounded_size(std::size_t requested) override;
   // Allocates attached globally, marks the range MADV_DONTFORK (a fork() child must not share
-  // managed pages) and applies segment.managed.advice.
-  void allocate(Segment& segment) override;
+  // managed pages) and applies `advice`; on failure it holds nothing and throws. The advice is
+  // the caller's to keep (ManagedResidency's record), not the segment's.
+  void allocate(Segment& segment, const ManagedAdvice& advice);
+  // Through the Backing interface: no advice (the Allocator passes the resolved one above).
+  void allocate(Segment& segment) override { allocate(segment, ManagedAdvice{}); }
   void deallocate(Segment& segment) override;
 
   void apply_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice);

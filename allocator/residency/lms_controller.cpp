@@ -26,15 +26,18 @@ void LmsController::admit(Segment& segment, bool single_block, StreamHandle stre
 }
 
 void LmsController::reuse(Segment& segment, StreamHandle stream) {
-  make_room_for_page_in(segment);
-  lms_.reuse(segment, stream);  // a page-in that fails fails the allocation
+  LmsBlock* block = lms_.block(segment);
+  if (block == nullptr) return;  // never: every `lms` segment is admitted
+  make_room_for_page_in(*block);
+  lms_.reuse(*block, stream);  // a page-in that fails fails the allocation
 }
 
-void LmsController::make_room_for_page_in(Segment& segment) {
-  if (segment.lms.state != LmsState::kReclaimed) return;
+void LmsController::make_room_for_page_in(const LmsBlock& block) {
+  if (block.state != LmsState::kReclaimed) return;
   // The page-in maps memory too: it keeps to the limit like an allocation.
-  const std::size_t out = segment.on_managed_memory()
-                              ? managed_bytes_at(segment, MemLocation::host())
+  const Segment& segment = *block.segment;
+  const std::size_t out = block.managed != nullptr
+                              ? managed_bytes_at(segment, *block.managed, MemLocation::host())
                               : segment.size - segment.resident_bytes();
   climb_ladder(out, segment.tag, true);
 }
@@ -118,9 +121,9 @@ void LmsController::keep_headroom() {
   lms_.page_out_ahead(pressure + headroom - limit);
 }
 
-Segment* LmsController::lms_segment(DevicePtr ptr) {
+LmsBlock* LmsController::lms_block(DevicePtr ptr) {
   Segment* segment = segments_.segment_containing(ptr);
-  return segment != nullptr && segment->mode == Mode::kLms ? segment : nullptr;
+  return segment != nullptr && segment->mode == Mode::kLms ? lms_.block(*segment) : nullptr;
 }
 
 bool LmsController::pin(DevicePtr ptr, StreamHandle stream) {
@@ -130,10 +133,10 @@ bool LmsController::pin(DevicePtr ptr, StreamHandle stream) {
 }
 
 bool LmsController::pin_one(DevicePtr ptr, StreamHandle stream) {
-  Segment* segment = lms_segment(ptr);
-  if (segment == nullptr) return false;
-  make_room_for_page_in(*segment);
-  lms_.pin(*segment, stream);
+  LmsBlock* block = lms_block(ptr);
+  if (block == nullptr) return false;
+  make_room_for_page_in(*block);
+  lms_.pin(*block, stream);
   return true;
 }
 
@@ -159,17 +162,17 @@ void LmsController::prefetch_ahead(StreamHandle stream) {
   // prefetched, is not looked up again at the next pin (this runs at every pin).
   const auto [begin, end] = lms_.prefetch_window();
   for (std::size_t i = begin; i < end; ++i) {
-    Segment* segment = lms_segment(lms_.prefetch_candidate(i));
-    if (segment == nullptr || segment->lms.managed || segment->lms.state != LmsState::kReclaimed) {
+    LmsBlock* block = lms_block(lms_.prefetch_candidate(i));
+    if (block == nullptr || block->managed != nullptr || block->state != LmsState::kReclaimed) {
       lms_.prefetch_handled(i);
       continue;
     }
     const std::size_t held_now = held();
     const std::size_t limit = lms_.limit(held_now);
-    const std::size_t out = segment->size - segment->resident_bytes();
+    const std::size_t out = block->segment->size - block->segment->resident_bytes();
     if (held_now + out + lms_.headroom(limit) > limit) return;  // tried again at the next pin
     try {
-      lms_.prefetch(*segment, stream);
+      lms_.prefetch(*block, stream);
     } catch (const std::exception& error) {
       log_once("lms_prefetch", std::string("lms prefetch failed (the block is paged in when "
                                            "pinned instead): ") +
@@ -187,12 +190,12 @@ bool LmsController::unpin(DevicePtr ptr) {
 }
 
 bool LmsController::unpin_one(DevicePtr ptr, bool strict) {
-  Segment* segment = lms_segment(ptr);
-  if (segment == nullptr) return false;
+  LmsBlock* block = lms_block(ptr);
+  if (block == nullptr) return false;
   // A batch may name a block that was freed while pinned (an operator's out= argument resized):
   // its pin went with it.
-  if (!strict && segment->lms.pins == 0) return false;
-  lms_.unpin(*segment);
+  if (!strict && block->pins == 0) return false;
+  lms_.unpin(*block);
   return true;
 }
 
@@ -205,11 +208,12 @@ std::size_t LmsController::unpin_all(const std::vector<DevicePtr>& ptrs) {
 
 std::string LmsController::describe_unguarded(const std::vector<DevicePtr>& ptrs) {
   for (DevicePtr ptr : ptrs) {
-    const Segment* segment = lms_segment(ptr);
-    if (segment == nullptr || segment->lms.managed) continue;
-    if (!segment->lms.reclaimable || segment->lms.pins > 0) continue;
+    const LmsBlock* block = lms_block(ptr);
+    if (block == nullptr || block->managed != nullptr) continue;
+    if (!block->reclaimable || block->pins > 0) continue;
+    const Segment* segment = block->segment;
     const char* state = nullptr;
-    switch (segment->lms.state) {
+    switch (block->state) {
       case LmsState::kInactive:
         state = "inactive: any allocation may page it out while the operator's kernels run";
         break;

@@ -59,7 +59,7 @@ class LmsController {
   // Note [The allocation ladder] in lms_residency.h, steps 2 to 4: room for `size` more bytes
   // under the limit, or OutOfMemory.
   void climb_ladder(std::size_t size, const std::string& tag, bool for_page_in);
-  void make_room_for_page_in(Segment& segment);
+  void make_room_for_page_in(const LmsBlock& block);
   OutOfMemory out_of_memory(std::size_t size, const std::string& tag, std::size_t limit,
                             bool for_page_in) const;
   void keep_headroom();
@@ -67,7 +67,8 @@ class LmsController {
   bool pin_one(DevicePtr ptr, StreamHandle stream);
   // `strict`: unpinning a block that is not pinned throws InvalidState (else returns false).
   bool unpin_one(DevicePtr ptr, bool strict);
-  Segment* lms_segment(DevicePtr ptr);  // nullptr unless `ptr` is inside an `lms` segment
+  // The record of the `lms` segment `ptr` is inside, or null: one lookup, passed along.
+  LmsBlock* lms_block(DevicePtr ptr);
 
   LmsResidency& lms_;
   BlockCache& blocks_;

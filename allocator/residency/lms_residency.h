@@ -1,9 +1,9 @@
 // LmsResidency: Large Model Support (IBM's LMS for PyTorch, as a library) for the `lms` segments
-// of one device. A segment is allocated (handed out, never pinned since), active (pinned: in
-// use, pin counts), inactive (unpinned after use: on the intrusive ReclaimList, least recently
-// used first), or reclaimed: its bytes paged out to pooled pinned host memory and its physical
-// memory released, its addresses kept (VMM). Pinning a reclaimed segment pages it back in at the
-// same addresses.
+// of one device. It keeps an LmsBlock (lms_block.h) for each segment from admit to forget. A
+// segment is allocated (handed out, never pinned since), active (pinned: in use, pin counts),
+// inactive (unpinned after use: on the intrusive ReclaimList, least recently used first), or
+// reclaimed: its bytes paged out to pooled pinned host memory and its physical memory released,
+// its addresses kept (VMM). Pinning a reclaimed segment pages it back in at the same addresses.
 //
 // Note [Only pinned blocks are reclaimed]
 //  A block becomes reclaimable when its last pin goes, never before. Libraries allocate memory
@@ -86,10 +86,12 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "allocator/backing/backing.h"
 #include "allocator/driver/driver.h"
+#include "allocator/residency/lms_block.h"
 #include "allocator/residency/lms_history.h"
 #include "allocator/residency/managed_residency.h"
 #include "allocator/residency/pause_controller.h"
@@ -136,17 +138,23 @@ class LmsResidency {
   void set_headroom(std::optional<std::size_t> bytes) { headroom_ = bytes; }
   std::size_t headroom(std::size_t limit) const;
 
-  // A new segment; `single_block` when it holds exactly one block (Note [LMS blocks]).
-  void admit(Segment& segment, bool single_block, StreamHandle stream);
+  // A new segment; `single_block` when it holds exactly one block (Note [LMS blocks]). On managed
+  // memory it must be admitted to the ManagedResidency first. Returns its record.
+  LmsBlock& admit(Segment& segment, bool single_block, StreamHandle stream);
+  // Drops the record of `segment`; before the ManagedResidency forgets it.
   void forget(Segment& segment);
+  // The record of an admitted segment, or null: the one lookup of a pin or unpin. The methods
+  // below take the record, so nothing is looked up twice.
+  LmsBlock* block(const Segment& segment);
+  const LmsBlock* block(const Segment& segment) const;
   // Throws InvalidState for unpin of a segment that is not pinned.
-  void pin(Segment& segment, StreamHandle stream);
-  void unpin(Segment& segment);
-  // A cached block of `segment` is handed out again (it is back in before it is used).
-  void reuse(Segment& segment, StreamHandle stream);
+  void pin(LmsBlock& block, StreamHandle stream);
+  void unpin(LmsBlock& block);
+  // A cached block of the segment is handed out again (it is back in before it is used).
+  void reuse(LmsBlock& block, StreamHandle stream);
   // The block of a one-block segment was freed: nothing in it is alive, so it is never paged
   // out (the cache gives it back instead) and paged-out bytes are never copied back.
-  void release(Segment& segment);
+  void release(LmsBlock& block);
 
   // Note [The allocation ladder], step 3: starts page-outs of inactive segments for what
   // `excess` bytes need beyond the page-outs already under way, and waits until `excess` bytes
@@ -175,8 +183,8 @@ class LmsResidency {
   std::pair<std::size_t, std::size_t> prefetch_window() const;
   DevicePtr prefetch_candidate(std::size_t index) const { return history_.paged_in_then(index); }
   void prefetch_handled(std::size_t index) { history_.handled_through(index + 1); }
-  // Pages `segment` in ahead of use (it must be reclaimed); it stays inactive.
-  void prefetch(Segment& segment, StreamHandle stream);
+  // Pages the block in ahead of use (it must be reclaimed); it stays inactive.
+  void prefetch(LmsBlock& block, StreamHandle stream);
   // Page-outs the ladder had to do (allocations and page-ins that ran into the limit).
   std::uint64_t ladder_pageouts() const { return ladder_reclaims_; }
   std::size_t inactive_bytes() const { return list_.bytes(); }
@@ -185,23 +193,23 @@ class LmsResidency {
  private:
   enum class Cause { kLadder, kAhead, kSpeculation };
 
-  std::size_t page_out_managed(Segment& segment);
+  std::size_t page_out_managed(LmsBlock& block);
   // Starts the copy of an inactive VMM segment behind its last use (Note [LMS ordering]).
-  void start_page_out(Segment& segment, Cause cause);
+  void start_page_out(LmsBlock& block, Cause cause);
   // Starts one victim of the ladder's (VMM or managed); returns its bytes.
-  std::size_t reclaim_one(Segment& segment);
-  void cancel_page_out(Segment& segment);
+  std::size_t reclaim_one(LmsBlock& block);
+  void cancel_page_out(LmsBlock& block);
   // Waits for the copy, unmaps; returns the device bytes freed. A failure goes to `error`.
-  std::size_t finish_page_out(Segment& segment, std::exception_ptr& error);
-  void settle_speculation(Segment& segment, bool needed);
+  std::size_t finish_page_out(LmsBlock& block, std::exception_ptr& error);
+  void settle_speculation(LmsBlock& block, bool needed);
   void count(const Segment& segment, std::int64_t ScopeStats::* counter);
   void count_pageout(const Segment& segment, std::size_t moved, double seconds);
   void count_pagein(const Segment& segment, std::size_t moved, double seconds);
-  void page_in(Segment& segment, StreamHandle stream);
-  void record_last_use(Segment& segment);
+  void page_in(LmsBlock& block, StreamHandle stream);
+  void record_last_use(LmsBlock& block);
   // record_last_use for a block going inactive now; a failure is logged, not thrown (its
   // page-out then fences on its stream's tail instead).
-  void mark_inactive_here(Segment& segment);
+  void mark_inactive_here(LmsBlock& block);
   EventHandle take_event();
   void retire_page_ins();
 
@@ -211,6 +219,8 @@ class LmsResidency {
   PauseController& mover_;
   ManagedResidency& managed_;
   StatsBook& stats_;
+  // Node-based: a record's address stays put while others come and go (the list links them).
+  std::unordered_map<const Segment*, LmsBlock> blocks_;
   ReclaimList list_;
   AllocDistribution distribution_;
   std::size_t limit_ = 0;
@@ -221,10 +231,10 @@ class LmsResidency {
   bool speculation_ = true;
   std::size_t prefetch_depth_ = kDefaultPrefetchDepth;
   std::uint64_t ladder_reclaims_ = 0;
-  std::vector<Segment*> paging_out_;  // in the order their copies were queued
+  std::vector<LmsBlock*> paging_out_;  // in the order their copies were queued
   std::size_t paging_out_bytes_ = 0;
-  std::vector<Segment*> speculated_;  // speculative, not settled yet
-  std::vector<Segment*> prefetched_;  // prefetched, not pinned yet
+  std::vector<LmsBlock*> speculated_;  // speculative, not settled yet
+  std::vector<LmsBlock*> prefetched_;  // prefetched, not pinned yet
   std::vector<EventHandle> spare_events_;
 };
 

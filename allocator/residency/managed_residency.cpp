@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "allocator/driver/quiet_release.h"
 #include "allocator/errors.h"
@@ -66,25 +67,29 @@ void ManagedResidency::check_guard(std::size_t size, const std::string& tag) {
                                 "own");
 }
 
-MemLocation ManagedResidency::home_of(const Segment& segment) const {
-  const MemLocation& preferred = segment.managed.advice.preferred;
+MemLocation ManagedResidency::home_of(const ManagedState& state) const {
+  const MemLocation& preferred = state.advice.preferred;
   return preferred.is_none() ? MemLocation::on_device(device_) : preferred;
 }
 
-void ManagedResidency::admit(Segment& segment, StreamHandle stream) {
+void ManagedResidency::admit(const Segment& segment, const ManagedAdvice& advice,
+                             StreamHandle stream) {
   const std::size_t pages = segment.size / ManagedState::kPageBytes +
                             (segment.size % ManagedState::kPageBytes != 0 ? 1 : 0);
-  segment.managed.pages.assign(pages, MemLocation::none());
-  segment.managed.device = device_;
-  segment.managed.last_use = ++clock_;
+  ManagedState& state = states_[&segment];
+  state.advice = advice;
+  state.pages.assign(pages, MemLocation::none());
+  state.device = device_;
+  state.last_use = ++clock_;
   process_total_ += segment.size;
   // First touch by a GPU fault is far slower than a prefetch that populates (ARCHITECTURE.md,
   // traps), so memory that prefers a device is placed there at once, ordered on the stream the
   // allocation is for. Host-preferred memory populates cheaply on first CPU touch.
-  const MemLocation home = home_of(segment);
+  const MemLocation home = home_of(state);
   if (home.kind == MemLocation::Kind::kDevice) {
     try {
-      prefetch_pages(segment, segment.ptr, segment.size, home, stream);
+      // An `lms` block has no LmsResidency record yet: none is needed before it is pinned.
+      prefetch_pages(segment, state, nullptr, segment.ptr, segment.size, home, stream);
     } catch (const std::exception& error) {
       log_once("managed_populate", std::string("populating managed memory failed (it will "
                                                "populate on first touch instead): ") +
@@ -93,7 +98,46 @@ void ManagedResidency::admit(Segment& segment, StreamHandle stream) {
   }
 }
 
-void ManagedResidency::forget(const Segment& segment) { process_total_ -= segment.size; }
+void ManagedResidency::forget(const Segment& segment) {
+  process_total_ -= segment.size;
+  states_.erase(&segment);
+}
+
+ManagedState* ManagedResidency::state(const Segment& segment) {
+  auto it = states_.find(&segment);
+  return it == states_.end() ? nullptr : &it->second;
+}
+
+const ManagedState* ManagedResidency::state(const Segment& segment) const {
+  auto it = states_.find(&segment);
+  return it == states_.end() ? nullptr : &it->second;
+}
+
+void ManagedResidency::adopt_advice(const Segment& segment, Advice advice, MemLocation location) {
+  ManagedState* state = this->state(segment);
+  if (state == nullptr) return;
+  ManagedAdvice& own = state->advice;
+  switch (advice) {
+    case Advice::kSetPreferredLocation:
+      own.preferred = location;
+      break;
+    case Advice::kUnsetPreferredLocation:
+      own.preferred = MemLocation::none();
+      break;
+    case Advice::kSetAccessedBy:
+      own.accessed_by = location;
+      break;
+    case Advice::kUnsetAccessedBy:
+      own.accessed_by.reset();
+      break;
+    case Advice::kSetReadMostly:
+      own.read_mostly = true;
+      break;
+    case Advice::kUnsetReadMostly:
+      own.read_mostly = false;
+      break;
+  }
+}
 
 void ManagedResidency::count_prefetch(Mode mode, const std::string& tag, std::size_t bytes,
                                       bool to_device) {
@@ -113,7 +157,8 @@ EventHandle ManagedResidency::take_event() {
   return event;
 }
 
-std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, std::size_t size,
+std::size_t ManagedResidency::prefetch_pages(const Segment& segment, ManagedState& state,
+                                             const LmsBlock* lms, DevicePtr ptr, std::size_t size,
                                              MemLocation to, StreamHandle stream) {
   const std::size_t page = ManagedState::kPageBytes;
   const std::size_t first = (ptr - segment.ptr) / page;
@@ -125,9 +170,9 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
   // A page needs the prefetch unless the range covers all of it and it already sits at `to`.
   auto needed = [&](std::size_t i) {
     const bool whole = ptr <= page_start(i) && page_end(i) <= ptr + size;
-    return !whole || segment.managed.pages[i] != to;
+    return !whole || state.pages[i] != to;
   };
-  const Footprint before = footprint(segment);
+  const Footprint before = footprint(segment, &state, lms);
   std::size_t scheduled = 0;
   EventHandle start = nullptr;
   std::exception_ptr error;
@@ -146,14 +191,14 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
         driver_.event_record(device_, start, stream);
       }
       driver_.mem_prefetch(device_, from, until - from, to, stream);
-      for (std::size_t k = i; k <= j; ++k) segment.managed.pages[k] = to;
+      for (std::size_t k = i; k <= j; ++k) state.pages[k] = to;
       scheduled += until - from;
       i = j + 1;
     }
   } catch (...) {
     error = std::current_exception();
   }
-  stats_.apply(segment.mode, segment.tag, before, footprint(segment));
+  stats_.apply(segment.mode, segment.tag, before, footprint(segment, &state, lms));
   const bool to_device = to.kind == MemLocation::Kind::kDevice;
   if (scheduled > 0) count_prefetch(segment.mode, segment.tag, scheduled, to_device);
   if (start != nullptr) {
@@ -176,46 +221,64 @@ std::size_t ManagedResidency::prefetch_pages(Segment& segment, DevicePtr ptr, st
   return scheduled;
 }
 
-std::size_t ManagedResidency::prefetch(Segment* segment, DevicePtr ptr, std::size_t size,
-                                       MemLocation to, StreamHandle stream) {
+std::size_t ManagedResidency::prefetch(const Segment* segment, const LmsBlock* lms, DevicePtr ptr,
+                                       std::size_t size, MemLocation to, StreamHandle stream) {
   collect_timings(false);
   if (size == 0) return 0;
-  if (segment == nullptr) {
+  ManagedState* state = segment == nullptr ? nullptr : this->state(*segment);
+  if (state == nullptr) {
     driver_.mem_prefetch(device_, ptr, size, to, stream);
     return size;
   }
+  return prefetch_tracked(*segment, *state, lms, ptr, size, to, stream);
+}
+
+std::size_t ManagedResidency::prefetch(const LmsBlock& block, DevicePtr ptr, std::size_t size,
+                                       MemLocation to, StreamHandle stream) {
+  collect_timings(false);
+  if (size == 0) return 0;
+  return prefetch_tracked(*block.segment, *block.managed, &block, ptr, size, to, stream);
+}
+
+std::size_t ManagedResidency::prefetch_tracked(const Segment& segment, ManagedState& state,
+                                               const LmsBlock* lms, DevicePtr ptr, std::size_t size,
+                                               MemLocation to, StreamHandle stream) {
   // A use of this device (Note [Device budget]); moving pages to another GPU is none.
   if (to == MemLocation::on_device(device_)) {
-    segment->managed.last_use = ++clock_;
-    if (segment->managed.evicted) {
-      readmit(*segment, stream);
+    state.last_use = ++clock_;
+    if (state.evicted) {
+      readmit(segment, state, lms, stream);
       return size;
     }
   }
-  return prefetch_pages(*segment, ptr, size, to, stream);
+  return prefetch_pages(segment, state, lms, ptr, size, to, stream);
 }
 
-void ManagedResidency::touch(Segment& segment, StreamHandle stream) {
-  segment.managed.last_use = ++clock_;
-  if (segment.managed.evicted) readmit(segment, stream);
+void ManagedResidency::touch(const Segment& segment, StreamHandle stream) {
+  ManagedState* state = this->state(segment);
+  if (state == nullptr) return;
+  state->last_use = ++clock_;
+  if (state->evicted) readmit(segment, *state, nullptr, stream);
 }
 
-void ManagedResidency::evict(Segment& segment, StreamHandle stream) {
+void ManagedResidency::evict(const Segment& segment, ManagedState& state, StreamHandle stream) {
   const MemLocation device = MemLocation::on_device(device_);
-  const std::size_t before = managed_bytes_at(segment, device);
+  const std::size_t before = managed_bytes_at(segment, state, device);
   driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kSetPreferredLocation,
                      MemLocation::host());
   driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kSetAccessedBy, device);
-  segment.managed.evicted = true;
-  prefetch_pages(segment, segment.ptr, segment.size, MemLocation::host(), stream);
+  state.evicted = true;
+  // The budget evicts `managed` segments only: no `lms` record.
+  prefetch_pages(segment, state, nullptr, segment.ptr, segment.size, MemLocation::host(), stream);
   stats_.for_scopes(segment.mode, segment.tag, [&](ScopeStats& scope) {
     ++scope.num_budget_evictions;
     scope.budget_eviction_bytes += static_cast<std::int64_t>(before);
   });
 }
 
-void ManagedResidency::readmit(Segment& segment, StreamHandle stream) {
-  const ManagedAdvice& own = segment.managed.advice;
+void ManagedResidency::readmit(const Segment& segment, ManagedState& state, const LmsBlock* lms,
+                               StreamHandle stream) {
+  const ManagedAdvice& own = state.advice;
   const MemLocation device = MemLocation::on_device(device_);
   if (own.preferred.is_none()) {
     driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kUnsetPreferredLocation, device);
@@ -226,8 +289,8 @@ void ManagedResidency::readmit(Segment& segment, StreamHandle stream) {
   if (!own.accessed_by || *own.accessed_by != device) {
     driver_.mem_advise(device_, segment.ptr, segment.size, Advice::kUnsetAccessedBy, device);
   }
-  segment.managed.evicted = false;
-  prefetch_pages(segment, segment.ptr, segment.size, device, stream);
+  state.evicted = false;
+  prefetch_pages(segment, state, lms, segment.ptr, segment.size, device, stream);
 }
 
 bool ManagedResidency::over_budget() const {
@@ -243,19 +306,20 @@ void ManagedResidency::enforce_budget(const std::vector<Segment*>& managed_segme
     return static_cast<std::size_t>(stats_.mode(Mode::kManaged).managed_device_bytes.current);
   };
   if (placed() <= budget_) return;
-  std::vector<Segment*> candidates;
+  std::vector<std::pair<Segment*, ManagedState*>> candidates;
   for (Segment* segment : managed_segments) {
     if (segment == just_used) continue;
-    if (managed_bytes_at(*segment, MemLocation::on_device(device_)) > 0) {
-      candidates.push_back(segment);
+    ManagedState* state = this->state(*segment);
+    if (state == nullptr) continue;
+    if (managed_bytes_at(*segment, *state, MemLocation::on_device(device_)) > 0) {
+      candidates.emplace_back(segment, state);
     }
   }
-  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
-    return a->managed.last_use < b->managed.last_use;
-  });
-  for (Segment* segment : candidates) {
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a.second->last_use < b.second->last_use; });
+  for (const auto& [segment, state] : candidates) {
     if (placed() <= budget_) return;
-    evict(*segment, stream);
+    evict(*segment, *state, stream);
   }
 }
 

@@ -1,5 +1,6 @@
-// ManagedResidency: where the bytes of managed segments should live. It owns three policies on
-// top of ManagedBacking's mechanism:
+// ManagedResidency: where the bytes of managed segments should live. It keeps a ManagedState
+// (managed_state.h) for each segment of managed memory from admit to forget, and owns three
+// policies on top of ManagedBacking's mechanism:
 //
 //  - The oversubscription guard (Note [Managed guard]).
 //  - Prefetch with tracking: a prefetch migrates only the pages that our last prefetch did not
@@ -47,10 +48,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "allocator/backing/managed_backing.h"
 #include "allocator/driver/driver.h"
+#include "allocator/region_config.h"
+#include "allocator/residency/lms_block.h"
+#include "allocator/residency/managed_state.h"
 #include "allocator/segment.h"
 #include "allocator/stats/stats.h"
 
@@ -65,17 +70,30 @@ class ManagedResidency {
 
   // Note [Managed guard]. Throws OutOfMemory naming the totals; makes no allocation.
   void check_guard(std::size_t size, const std::string& tag);
-  // After the backing allocated `segment`: count it, populate it where it prefers a device.
-  void admit(Segment& segment, StreamHandle stream);
-  // Before the backing frees `segment`.
+  // After the backing allocated `segment` with `advice` (the allocating device resolved): keep
+  // its record, count it, populate it where it prefers a device.
+  void admit(const Segment& segment, const ManagedAdvice& advice, StreamHandle stream);
+  // Before the backing frees `segment`: its record goes.
   void forget(const Segment& segment);
+  // The record of an admitted segment, or null. Its address is stable until forget: LmsResidency
+  // keeps it with its own record of a block on managed memory.
+  ManagedState* state(const Segment& segment);
+  const ManagedState* state(const Segment& segment) const;
+  // Advice the client set on the whole of `segment` becomes its own: the budget restores it on
+  // re-admission. No-op for a segment that is not ours.
+  void adopt_advice(const Segment& segment, Advice advice, MemLocation location);
 
   // Prefetches [ptr, ptr + size) to `to` on `stream`; `segment` is ours or null for managed
-  // memory of another library (always prefetched, not tracked). Returns the bytes scheduled.
-  std::size_t prefetch(Segment* segment, DevicePtr ptr, std::size_t size, MemLocation to,
+  // memory of another library (always prefetched, not tracked). `lms` is LmsResidency's record
+  // when `segment` is an `lms` block (its footprint reads it), else null. Returns the bytes
+  // scheduled.
+  std::size_t prefetch(const Segment* segment, const LmsBlock* lms, DevicePtr ptr, std::size_t size,
+                       MemLocation to, StreamHandle stream);
+  // The same for an `lms` block on managed memory, whose record holds this one's: no lookup.
+  std::size_t prefetch(const LmsBlock& block, DevicePtr ptr, std::size_t size, MemLocation to,
                        StreamHandle stream);
   // A cached block of `segment` is handed out again: an LRU tick, and re-admission if evicted.
-  void touch(Segment& segment, StreamHandle stream);
+  void touch(const Segment& segment, StreamHandle stream);
   // Note [Device budget]; `just_used` is never evicted.
   void enforce_budget(const std::vector<Segment*>& managed_segments, const Segment* just_used,
                       StreamHandle stream);
@@ -101,11 +119,15 @@ class ManagedResidency {
     bool to_device;
   };
 
-  MemLocation home_of(const Segment& segment) const;
-  std::size_t prefetch_pages(Segment& segment, DevicePtr ptr, std::size_t size, MemLocation to,
-                             StreamHandle stream);
-  void evict(Segment& segment, StreamHandle stream);
-  void readmit(Segment& segment, StreamHandle stream);
+  MemLocation home_of(const ManagedState& state) const;
+  std::size_t prefetch_tracked(const Segment& segment, ManagedState& state, const LmsBlock* lms,
+                               DevicePtr ptr, std::size_t size, MemLocation to,
+                               StreamHandle stream);
+  std::size_t prefetch_pages(const Segment& segment, ManagedState& state, const LmsBlock* lms,
+                             DevicePtr ptr, std::size_t size, MemLocation to, StreamHandle stream);
+  void evict(const Segment& segment, ManagedState& state, StreamHandle stream);
+  void readmit(const Segment& segment, ManagedState& state, const LmsBlock* lms,
+               StreamHandle stream);
   void count_prefetch(Mode mode, const std::string& tag, std::size_t bytes, bool to_device);
   EventHandle take_event();
 
@@ -116,6 +138,8 @@ class ManagedResidency {
   std::size_t budget_ = 0;  // 0: no budget
   std::optional<std::size_t> limit_;
   std::uint64_t clock_ = 0;
+  // Node-based: a record's address stays put while others come and go (LmsBlock::managed).
+  std::unordered_map<const Segment*, ManagedState> states_;
   std::vector<PendingTiming> pending_;
   std::vector<EventHandle> spare_events_;
   static std::atomic<std::size_t> process_total_;

@@ -1,49 +1,47 @@
-// ReclaimList: the inactive `lms` segments, least recently used first. Intrusive (the links live
-// in each Segment's LmsLinks), so insert and remove are O(1) and never allocate: they run on
-// every pin and unpin.
+// ReclaimList: the inactive `lms` blocks, least recently used first. Intrusive (the links live
+// in each LmsBlock, LmsResidency's record of a segment), so insert and remove are O(1) and never
+// allocate: they run on every pin and unpin.
 #pragma once
 
 #include <cstddef>
 
-#include "allocator/segment.h"
+#include "allocator/residency/lms_block.h"
 
 namespace tus {
 
 class ReclaimList {
  public:
-  // Appends at the most recently used end. The segment must not be on the list.
-  void push_back(Segment& segment) {
-    LmsLinks& links = segment.lms;
-    links.prev = tail_;
-    links.next = nullptr;
-    if (tail_ != nullptr) tail_->lms.next = &segment;
-    tail_ = &segment;
-    if (head_ == nullptr) head_ = &segment;
-    links.on_list = true;
-    bytes_ += segment.size;
+  // Appends at the most recently used end. The block must not be on the list.
+  void push_back(LmsBlock& block) {
+    block.prev = tail_;
+    block.next = nullptr;
+    if (tail_ != nullptr) tail_->next = &block;
+    tail_ = &block;
+    if (head_ == nullptr) head_ = &block;
+    block.on_list = true;
+    bytes_ += block.segment->size;
     ++count_;
   }
-  // No-op for a segment that is not on the list.
-  void remove(Segment& segment) {
-    LmsLinks& links = segment.lms;
-    if (!links.on_list) return;
-    if (links.prev != nullptr) links.prev->lms.next = links.next;
-    if (links.next != nullptr) links.next->lms.prev = links.prev;
-    if (head_ == &segment) head_ = links.next;
-    if (tail_ == &segment) tail_ = links.prev;
-    links.prev = links.next = nullptr;
-    links.on_list = false;
-    bytes_ -= segment.size;
+  // No-op for a block that is not on the list.
+  void remove(LmsBlock& block) {
+    if (!block.on_list) return;
+    if (block.prev != nullptr) block.prev->next = block.next;
+    if (block.next != nullptr) block.next->prev = block.prev;
+    if (head_ == &block) head_ = block.next;
+    if (tail_ == &block) tail_ = block.prev;
+    block.prev = block.next = nullptr;
+    block.on_list = false;
+    bytes_ -= block.segment->size;
     --count_;
   }
-  Segment* least_recent() const { return head_; }
-  static Segment* more_recent(const Segment& segment) { return segment.lms.next; }
+  LmsBlock* least_recent() const { return head_; }
+  static LmsBlock* more_recent(const LmsBlock& block) { return block.next; }
   std::size_t bytes() const { return bytes_; }
   std::size_t size() const { return count_; }
 
  private:
-  Segment* head_ = nullptr;
-  Segment* tail_ = nullptr;
+  LmsBlock* head_ = nullptr;
+  LmsBlock* tail_ = nullptr;
   std::size_t bytes_ = 0;
   std::size_t count_ = 0;
 };
