@@ -239,6 +239,7 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     return;
   }
   Segment& segment = *it->second;
+  if (segment.mode == Mode::kLms) lms_.settle_before_free(segment);
   const Footprint before =
       footprint(segment, managed_residency_.state(segment), lms_.block(segment));
   // The lms record first: it points into the managed one (LmsBlock::managed).

@@ -140,7 +140,7 @@ const LmsBlock* LmsResidency::block(const Segment& segment) const {
   return it == blocks_.end() ? nullptr : &it->second;
 }
 
-void LmsResidency::forget(Segment& segment) {
+void LmsResidency::settle_before_free(Segment& segment) {
   auto it = blocks_.find(&segment);
   if (it == blocks_.end()) return;
   LmsBlock& block = it->second;
@@ -160,6 +160,13 @@ void LmsResidency::forget(Segment& segment) {
              std::string("free: waiting for a page-out's copy failed: ") + error.what());
   }
   if (block.state == LmsState::kPagingOut) cancel_page_out(block);
+}
+
+void LmsResidency::forget(Segment& segment) {
+  auto it = blocks_.find(&segment);
+  if (it == blocks_.end()) return;
+  LmsBlock& block = it->second;
+  list_.remove(block);  // settle_before_free did, unless it was skipped
   erase_value(speculated_, &block);
   erase_value(prefetched_, &block);
   if (block.last_use != nullptr) spare_events_.push_back(block.last_use);

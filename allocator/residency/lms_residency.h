@@ -141,7 +141,11 @@ class LmsResidency {
   // A new segment; `single_block` when it holds exactly one block (Note [LMS blocks]). On managed
   // memory it must be admitted to the ManagedResidency first. Returns its record.
   LmsBlock& admit(Segment& segment, bool single_block, StreamHandle stream);
-  // Drops the record of `segment`; before the ManagedResidency forgets it.
+  // Before `segment` is freed: waits for the copies that read it and cancels a page-out in
+  // flight, which applies its own change to the gauges (the footprint the free takes away is
+  // the one after it). Never throws.
+  void settle_before_free(Segment& segment);
+  // Drops the record of `segment` (settled first); before the ManagedResidency forgets it.
   void forget(Segment& segment);
   // The record of an admitted segment, or null: the one lookup of a pin or unpin. The methods
   // below take the record, so nothing is looked up twice.

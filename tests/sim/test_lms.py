@@ -465,6 +465,19 @@ def test_an_allocation_waits_for_page_outs_under_way_instead_of_starting_more(
     assert not resident(ahead, ptrs[0]) and stats["reserved_bytes.all.peak"] <= 16 * MiB
 
 
+def test_a_block_freed_while_paging_out_leaves_the_gauges_at_zero(driver, ahead, consistent):
+    ptrs = [block(ahead) for _ in range(3)]
+    driver.hold_events(True)
+    block(ahead)  # ptrs[0] is paging out ahead, its copy still running
+    assert consistent(ahead)["cpu_backup_bytes.lms.current"] == 4 * MiB
+    assert ahead.block_free(ptrs[0])
+    ahead.empty_cache()  # its segment goes back to the driver mid-copy: the page-out is cancelled
+    driver.hold_events(False)
+    stats = consistent(ahead)
+    assert stats["cpu_backup_bytes.lms.current"] == 0  # counted off once, not twice
+    assert stats["lms_paging_out_bytes"] == 0
+
+
 def test_headroom_setting(allocator) -> None:
     allocator.set_lms_limit(64 * MiB)
     assert allocator.lms_headroom() == 2 * MiB  # limit / 32 by default
