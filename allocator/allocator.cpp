@@ -63,7 +63,7 @@ Allocator::Allocator(std::shared_ptr<Driver> driver, int device, AllocatorOption
       inbound_copies_(*driver_, device),
       pauser_(*driver_, device, copies_, inbound_copies_, host_buffers_, disk_),
       managed_residency_(*driver_, device, managed_, stats_),
-      lms_(*driver_, device, vmm_, pauser_, managed_residency_, stats_),
+      lms_(*driver_, device, pauser_, managed_residency_, stats_),
       blocks_(*driver_, device, *this),
       lms_control_(lms_, blocks_, stats_, *this),
       snapshots_(*driver_, device, copies_, host_buffers_, options.snapshot_slab_bytes) {
@@ -84,11 +84,6 @@ Backing& Allocator::backing_for(Mode mode) {
   if (mode == Mode::kManaged) return managed_;
   if (mode == Mode::kLms && lms_on_managed_) return managed_;
   return vmm_;
-}
-
-Backing& Allocator::backing_of(const Segment& segment) {
-  if (segment.on_managed) return managed_;
-  return backing_for(segment.mode);
 }
 
 std::string Allocator::memory_report_locked() {
@@ -156,9 +151,9 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
   segment->mode = region.mode;
   segment->tag = region.tag;
   segment->cpu_backup = region.cpu_backup || region.disk_backup;
-  segment->on_managed =
-      region.mode == Mode::kManaged || (region.mode == Mode::kLms && lms_on_managed_);
-  if (segment->on_managed) managed_residency_.check_guard(segment->size, region.tag);
+  segment->backing = &backing;
+  segment->can = backing.capabilities();
+  if (segment->can.migrate) managed_residency_.check_guard(segment->size, region.tag);
   TagState& tag_state = tag_state_locked(region.tag);  // a tag exists from its first allocation
   if (region.disk_backup) {
     tag_state.policy.disk = true;
@@ -167,8 +162,8 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
     tag_state.policy.disk = false;
   }
   try {
-    if (segment->on_managed) {
-      managed_.allocate(*segment, resolved_advice(region));
+    if (segment->can.migrate) {
+      managed_.allocate(*segment, resolved_advice(region));  // with its advice, from the start
     } else {
       backing.allocate(*segment);
     }
@@ -188,7 +183,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
 
 void Allocator::admit_segment_locked(Segment& placed, StreamHandle stream,
                                      const RegionConfig& region, bool single_block) {
-  if (placed.on_managed) managed_residency_.admit(placed, resolved_advice(region), stream);
+  if (placed.can.migrate) managed_residency_.admit(placed, resolved_advice(region), stream);
   if (placed.mode == Mode::kLms) lms_control_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
     try {
@@ -244,9 +239,9 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
       footprint(segment, managed_residency_.state(segment), lms_.block(segment));
   // The lms record first: it points into the managed one (LmsBlock::managed).
   if (segment.mode == Mode::kLms) lms_.forget(segment);
-  if (segment.on_managed) managed_residency_.forget(segment);
+  if (segment.can.migrate) managed_residency_.forget(segment);
   try {
-    backing_of(segment).deallocate(segment);
+    segment.backing->deallocate(segment);
   } catch (const CudaError& error) {
     if (error.code() != kCudaErrorDeinitialized) {
       log_once("free_failed", std::string("free: ") + error.what());
@@ -420,7 +415,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   std::lock_guard<std::mutex> lock(mutex_);
   if (to.is_none()) TUS_THROW(InvalidArgument, "prefetch needs a destination (cpu or a device)");
   Segment* segment = segment_containing_locked(ptr);
-  if (segment != nullptr && !segment->on_managed) {
+  if (segment != nullptr && !segment->can.migrate) {
     TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is "
                                             << mode_name(segment->mode)
                                             << " memory, not managed memory");
@@ -615,7 +610,7 @@ std::size_t Allocator::pause_tag_locked(const std::string& tag) {
   const HostPoolCounters pool_before = host_buffers_.counters();
   const std::size_t written_before = disk_.bytes_written();
   const ResidencyChange change =
-      change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, vmm_, state.policy); });
+      change_residency(stats_, tag, segments, [&] { pauser_.pause(segments, state.policy); });
   const HostPoolCounters pool_after = host_buffers_.counters();
   for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);  // those it left
   const std::exception_ptr& error = change.error;
@@ -670,8 +665,8 @@ std::size_t Allocator::resume_tag_locked(const std::string& tag) {
     return 0;
   }
   const std::size_t read_before = disk_.bytes_read();
-  const ResidencyChange change = change_residency(
-      stats_, tag, segments, [&] { pauser_.resume(segments, vmm_, state.policy); });
+  const ResidencyChange change =
+      change_residency(stats_, tag, segments, [&] { pauser_.resume(segments, state.policy); });
   // A buffer given back at resume is the one the next pause will find (Note [Pinning ahead]).
   for (Segment* segment : segments) expect_pinned_buffer_locked(*segment);
   const std::exception_ptr& error = change.error;

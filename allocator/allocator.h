@@ -251,7 +251,6 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
   };
 
   Backing& backing_for(Mode mode);
-  Backing& backing_of(const Segment& segment);
   std::vector<Segment*> segments_of_mode_locked(Mode mode);
   // A new segment for `region`, mapped and registered, counted in the stats; not yet admitted.
   Segment& allocate_segment_locked(std::size_t size, const RegionConfig& region);

@@ -4,11 +4,11 @@
 
 namespace tus {
 
-void Backing::release_chunk(Segment&, Chunk&) {
+void Backing::release_chunk(PhysicalRange&, Chunk&) {
   TUS_THROW(InvalidArgument, "backing '" << name() << "' cannot pause memory");
 }
 
-void Backing::restore_chunk(Segment&, Chunk&) {
+void Backing::restore_chunk(PhysicalRange&, Chunk&) {
   TUS_THROW(InvalidArgument, "backing '" << name() << "' cannot resume memory");
 }
 

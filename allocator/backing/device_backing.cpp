@@ -10,14 +10,14 @@ std::size_t DeviceBacking::rounded_size(std::size_t requested) {
   return round_up_checked(requested == 0 ? 1 : requested, kDeviceAlignment);
 }
 
-void DeviceBacking::allocate(Segment& segment) {
-  segment.ptr = driver_.mem_alloc(device_, segment.size);
+void DeviceBacking::allocate(PhysicalRange& range) {
+  range.ptr = driver_.mem_alloc(device_, range.size);
 }
 
-void DeviceBacking::deallocate(Segment& segment) {
-  if (segment.ptr == 0) return;
-  driver_.mem_free(device_, segment.ptr);
-  segment.ptr = 0;
+void DeviceBacking::deallocate(PhysicalRange& range) {
+  if (range.ptr == 0) return;
+  driver_.mem_free(device_, range.ptr);
+  range.ptr = 0;
 }
 
 }  // namespace tus

@@ -12,10 +12,10 @@ class DeviceBacking final : public Backing {
   DeviceBacking(Driver& driver, int device) : driver_(driver), device_(device) {}
 
   const char* name() const override { return "device"; }
-  BackingCapabilities capabilities() const override { return {}; }
+  Capabilities capabilities() const override { return {}; }
   std::size_t rounded_size(std::size_t requested) override;
-  void allocate(Segment& segment) override;
-  void deallocate(Segment& segment) override;
+  void allocate(PhysicalRange& range) override;
+  void deallocate(PhysicalRange& range) override;
 
  private:
   Driver& driver_;

@@ -14,28 +14,28 @@ std::size_t ManagedBacking::rounded_size(std::size_t requested) {
   return round_up_checked(bytes, static_cast<std::size_t>(getpagesize()));
 }
 
-void ManagedBacking::allocate(Segment& segment, const ManagedAdvice& advice) {
-  segment.ptr = driver_.mem_alloc_managed(device_, segment.size);
+void ManagedBacking::allocate(PhysicalRange& range, const ManagedAdvice& advice) {
+  range.ptr = driver_.mem_alloc_managed(device_, range.size);
   try {
-    apply_advice(segment.ptr, segment.size, advice);
+    apply_advice(range.ptr, range.size, advice);
   } catch (...) {
-    driver_.mem_free(device_, segment.ptr);
-    segment.ptr = 0;
+    driver_.mem_free(device_, range.ptr);
+    range.ptr = 0;
     throw;
   }
   // Managed pages shared with a fork() child corrupt both processes' views; a child does not get
   // them at all this way. A failure only costs that protection, so it is logged, not raised.
-  if (madvise(reinterpret_cast<void*>(segment.ptr), segment.size, MADV_DONTFORK) != 0) {
+  if (madvise(reinterpret_cast<void*>(range.ptr), range.size, MADV_DONTFORK) != 0) {
     log_once("managed_dontfork",
              "madvise(MADV_DONTFORK) failed on managed memory; a fork() "
              "child would share managed pages with this process");
   }
 }
 
-void ManagedBacking::deallocate(Segment& segment) {
-  if (segment.ptr == 0) return;
-  driver_.mem_free(device_, segment.ptr);
-  segment.ptr = 0;
+void ManagedBacking::deallocate(PhysicalRange& range) {
+  if (range.ptr == 0) return;
+  driver_.mem_free(device_, range.ptr);
+  range.ptr = 0;
 }
 
 void ManagedBacking::apply_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice) {

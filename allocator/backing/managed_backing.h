@@ -15,16 +15,18 @@ class ManagedBacking final : public Backing {
   ManagedBacking(Driver& driver, int device) : driver_(driver), device_(device) {}
 
   const char* name() const override { return "managed"; }
-  BackingCapabilities capabilities() const override { return {false, true, false}; }
+  Capabilities capabilities() const override {
+    return {/*pause=*/false, /*migrate=*/true, /*share=*/false};
+  }
   // Page-sized below 2 MiB, whole 2 MiB pages above (the driver migrates large pages fastest).
   std::size_t rounded_size(std::size_t requested) override;
   // Allocates attached globally, marks the range MADV_DONTFORK (a fork() child must not share
   // managed pages) and applies `advice`; on failure it holds nothing and throws. The advice is
   // the caller's to keep (ManagedResidency's record), not the segment's.
-  void allocate(Segment& segment, const ManagedAdvice& advice);
+  void allocate(PhysicalRange& range, const ManagedAdvice& advice);
   // Through the Backing interface: no advice (the Allocator passes the resolved one above).
-  void allocate(Segment& segment) override { allocate(segment, ManagedAdvice{}); }
-  void deallocate(Segment& segment) override;
+  void allocate(PhysicalRange& range) override { allocate(range, ManagedAdvice{}); }
+  void deallocate(PhysicalRange& range) override;
 
   void apply_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice);
   void clear_advice(DevicePtr ptr, std::size_t size, const ManagedAdvice& advice);

@@ -20,21 +20,21 @@ std::size_t VmmBacking::rounded_size(std::size_t requested) {
   return round_up_checked(requested == 0 ? 1 : requested, granularity());
 }
 
-void VmmBacking::allocate(Segment& segment) {
+void VmmBacking::allocate(PhysicalRange& range) {
   // No larger than the segment before rounding: a chunk size near 2**64 would wrap to 0 (and
   // the loop below would never end); the segment's size is a multiple of the granularity.
   const std::size_t chunk_bytes =
-      round_up(std::clamp<std::size_t>(requested_chunk_bytes_, 1, segment.size), granularity());
-  segment.ptr = address_ranges_.take(segment.size);
-  segment.chunks.clear();
-  for (std::size_t offset = 0; offset < segment.size; offset += chunk_bytes) {
-    segment.chunks.push_back(Chunk{offset, std::min(chunk_bytes, segment.size - offset)});
+      round_up(std::clamp<std::size_t>(requested_chunk_bytes_, 1, range.size), granularity());
+  range.ptr = address_ranges_.take(range.size);
+  range.chunks.clear();
+  for (std::size_t offset = 0; offset < range.size; offset += chunk_bytes) {
+    range.chunks.push_back(Chunk{offset, std::min(chunk_bytes, range.size - offset)});
   }
   try {
-    for (Chunk& chunk : segment.chunks) restore_chunk(segment, chunk);
+    for (Chunk& chunk : range.chunks) restore_chunk(range, chunk);
   } catch (...) {
     try {
-      deallocate(segment);
+      deallocate(range);
     } catch (...) {
       // The allocation error is the one the caller needs to see.
     }
@@ -42,19 +42,19 @@ void VmmBacking::allocate(Segment& segment) {
   }
 }
 
-void VmmBacking::deallocate(Segment& segment) {
+void VmmBacking::deallocate(PhysicalRange& range) {
   std::exception_ptr first_error;
-  for (Chunk& chunk : segment.chunks) {
+  for (Chunk& chunk : range.chunks) {
     try {
-      release_chunk(segment, chunk);
+      release_chunk(range, chunk);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }
   }
-  if (segment.ptr != 0 && !first_error) {
+  if (range.ptr != 0 && !first_error) {
     try {
-      address_ranges_.give_back(segment.ptr, segment.size);
-      segment.ptr = 0;
+      address_ranges_.give_back(range.ptr, range.size);
+      range.ptr = 0;
     } catch (...) {
       first_error = std::current_exception();
     }
@@ -64,11 +64,11 @@ void VmmBacking::deallocate(Segment& segment) {
   if (first_error) std::rethrow_exception(first_error);
 }
 
-void VmmBacking::release_chunk(Segment& segment, Chunk& chunk) {
+void VmmBacking::release_chunk(PhysicalRange& range, Chunk& chunk) {
   // In line as well: unmapping on a worker thread made the page-ins wait as long instead
   // (paired GPT-2 XL 2x runs, README).
   if (chunk.mapped) {
-    driver_.unmap(device_, segment.ptr + chunk.offset, chunk.size);
+    driver_.unmap(device_, range.ptr + chunk.offset, chunk.size);
     chunk.mapped = false;
     chunk.stale = false;
   }
@@ -80,10 +80,10 @@ void VmmBacking::release_chunk(Segment& segment, Chunk& chunk) {
   }
 }
 
-void VmmBacking::restore_chunk(Segment& segment, Chunk& chunk) {
+void VmmBacking::restore_chunk(PhysicalRange& range, Chunk& chunk) {
   if (chunk.mapped) return;
   if (chunk.handle == 0) chunk.handle = driver_.create_physical(device_, chunk.size);
-  const DevicePtr address = segment.ptr + chunk.offset;
+  const DevicePtr address = range.ptr + chunk.offset;
   try {
     driver_.map(device_, address, chunk.size, chunk.handle);
     chunk.mapped = true;
@@ -94,7 +94,7 @@ void VmmBacking::restore_chunk(Segment& segment, Chunk& chunk) {
     driver_.set_access(device_, address, chunk.size);
   } catch (...) {
     try {
-      release_chunk(segment, chunk);
+      release_chunk(range, chunk);
     } catch (...) {
       // Reported by the original error below; the chunk's state says what is still held.
     }

@@ -16,12 +16,14 @@ class VmmBacking final : public Backing {
   VmmBacking(Driver& driver, int device, std::size_t chunk_bytes);
 
   const char* name() const override { return "vmm"; }
-  BackingCapabilities capabilities() const override { return {true, false, false}; }
+  Capabilities capabilities() const override {
+    return {/*pause=*/true, /*migrate=*/false, /*share=*/true};
+  }
   std::size_t rounded_size(std::size_t requested) override;
-  void allocate(Segment& segment) override;
-  void deallocate(Segment& segment) override;
-  void release_chunk(Segment& segment, Chunk& chunk) override;
-  void restore_chunk(Segment& segment, Chunk& chunk) override;
+  void allocate(PhysicalRange& range) override;
+  void deallocate(PhysicalRange& range) override;
+  void release_chunk(PhysicalRange& range, Chunk& chunk) override;
+  void restore_chunk(PhysicalRange& range, Chunk& chunk) override;
 
  private:
   std::size_t granularity();

@@ -29,14 +29,9 @@ void erase_value(std::vector<T*>& items, T* value) {
 
 }  // namespace
 
-LmsResidency::LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
+LmsResidency::LmsResidency(Driver& driver, int device, PauseController& mover,
                            ManagedResidency& managed, StatsBook& stats)
-    : driver_(driver),
-      device_(device),
-      backing_(backing),
-      mover_(mover),
-      managed_(managed),
-      stats_(stats) {}
+    : driver_(driver), device_(device), mover_(mover), managed_(managed), stats_(stats) {}
 
 LmsResidency::~LmsResidency() {
   // Test-made allocators only (registry allocators live forever); best effort. The Allocator
@@ -124,7 +119,7 @@ LmsBlock& LmsResidency::admit(Segment& segment, bool single_block, StreamHandle 
   LmsBlock& block = blocks_[&segment];
   block = LmsBlock{};
   block.segment = &segment;
-  block.managed = segment.on_managed ? managed_.state(segment) : nullptr;
+  block.managed = segment.can.migrate ? managed_.state(segment) : nullptr;
   block.reclaimable = single_block && segment.size >= size_;
   block.stream = stream;  // allocated: not on the list (Note [Only pinned blocks ...])
   return block;
@@ -319,7 +314,7 @@ std::size_t LmsResidency::finish_page_out(LmsBlock& block, std::exception_ptr& e
   const Footprint before = footprint(block);
   EventHandle done = block.pageout_done;
   try {
-    mover_.finish_backup(segment, backing_, done);  // waits for the copy if it is still running
+    mover_.finish_backup(segment, done);  // waits for the copy if it is still running
   } catch (...) {
     error = std::current_exception();
   }
@@ -466,7 +461,7 @@ void LmsResidency::page_in(LmsBlock& block, StreamHandle stream) {
     // Note [LMS ordering]: the using stream waits for the copy, the host does not. Throws
     // OutOfMemory with nothing changed (the mapping is rolled back): the caller's pin or
     // allocation fails, the bytes stay safe on the host.
-    mover_.resume_async(segment, backing_, stream);
+    mover_.resume_async(segment, stream);
   }
   block.state = LmsState::kAllocated;  // the caller pins it or hands it out
   block.stream = stream;

@@ -120,8 +120,8 @@ class LmsResidency {
   static constexpr std::size_t kAutoHeadroomDivisor = 32;
   static constexpr std::size_t kDefaultPrefetchDepth = 32;
 
-  LmsResidency(Driver& driver, int device, Backing& backing, PauseController& mover,
-               ManagedResidency& managed, StatsBook& stats);
+  LmsResidency(Driver& driver, int device, PauseController& mover, ManagedResidency& managed,
+               StatsBook& stats);
   ~LmsResidency();
   LmsResidency(const LmsResidency&) = delete;
   LmsResidency& operator=(const LmsResidency&) = delete;
@@ -219,7 +219,6 @@ class LmsResidency {
 
   Driver& driver_;
   const int device_;
-  Backing& backing_;
   PauseController& mover_;
   ManagedResidency& managed_;
   StatsBook& stats_;

@@ -44,8 +44,8 @@ bool PauseController::uses_disk(const Segment& segment, const BackupPolicy& poli
   return policy.disk;
 }
 
-void PauseController::pause(const std::vector<Segment*>& segments, Backing& backing,
-                            const BackupPolicy& policy, bool fenced) {
+void PauseController::pause(const std::vector<Segment*>& segments, const BackupPolicy& policy,
+                            bool fenced) {
   if (!fenced) driver_.device_synchronize(device_);  // Note [Pause ordering]
 
   // Note [Where a backup goes]. Disk problems (no directory, no room) show before anything
@@ -69,19 +69,19 @@ void PauseController::pause(const std::vector<Segment*>& segments, Backing& back
     if (!segment->disk_file.empty()) drop_backup(*segment);
   }
 
-  pause_to_host(to_host, backing, policy);
+  pause_to_host(to_host, policy);
   if (to_disk.empty()) return;
   // Note [Durable before unmapped]: a segment's chunks go once its file is on disk.
-  disk_.save(to_disk, copies_, [&backing](Segment& segment) {
+  disk_.save(to_disk, copies_, [](Segment& segment) {
     for (Chunk& chunk : segment.chunks) {
       if (!chunk.mapped) continue;
       if (!chunk.stale) chunk.backed_up = true;
-      backing.release_chunk(segment, chunk);
+      segment.backing->release_chunk(segment, chunk);
     }
   });
 }
 
-void PauseController::pause_to_host(const std::vector<Segment*>& segments, Backing& backing,
+void PauseController::pause_to_host(const std::vector<Segment*>& segments,
                                     const BackupPolicy& policy) {
   // 1. For each segment that keeps its contents, a host buffer and then its copies, each copy
   // followed by a mark. Buffers are taken one at a time so that the copies already queued run
@@ -114,7 +114,7 @@ void PauseController::pause_to_host(const std::vector<Segment*>& segments, Backi
           copies_.wait(done->second);
           chunk.backed_up = true;
         }
-        backing.release_chunk(*segment, chunk);
+        segment->backing->release_chunk(*segment, chunk);
       }
     }
   } catch (...) {
@@ -127,8 +127,7 @@ void PauseController::pause_to_host(const std::vector<Segment*>& segments, Backi
   }
 }
 
-void PauseController::restore_chunks(const std::vector<Segment*>& segments, Backing& backing,
-                                     CopyEngine& engine) {
+void PauseController::restore_chunks(const std::vector<Segment*>& segments, CopyEngine& engine) {
   // Every chunk that does not hold its contents: unmapped ones get fresh memory, stale ones keep
   // theirs and only need the copy.
   std::vector<std::pair<Segment*, Chunk*>> targets;
@@ -142,7 +141,7 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
   std::vector<std::pair<Segment*, Chunk*>> from_disk;
   try {
     for (auto& [segment, chunk] : targets) {
-      backing.restore_chunk(*segment, *chunk);
+      segment->backing->restore_chunk(*segment, *chunk);
       if (!chunk->backed_up) continue;
       if (segment->backup) {
         engine.to_device(segment->ptr + chunk->offset, segment->backup.bytes() + chunk->offset,
@@ -159,7 +158,7 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
       auto& [segment, chunk] = targets[i];
       if (chunk->mapped && !was_mapped[i]) {
         try {
-          backing.release_chunk(*segment, *chunk);
+          segment->backing->release_chunk(*segment, *chunk);
         } catch (...) {
           // Reported by the original error below.
         }
@@ -173,9 +172,8 @@ void PauseController::restore_chunks(const std::vector<Segment*>& segments, Back
   for (auto& [segment, chunk] : targets) chunk->stale = false;
 }
 
-void PauseController::resume(const std::vector<Segment*>& segments, Backing& backing,
-                             const BackupPolicy& policy) {
-  restore_chunks(segments, backing, copies_);
+void PauseController::resume(const std::vector<Segment*>& segments, const BackupPolicy& policy) {
+  restore_chunks(segments, copies_);
   try {
     copies_.synchronize();  // Note [Resume visibility]
   } catch (...) {
@@ -201,10 +199,10 @@ EventHandle PauseController::take_event() {
   return event;
 }
 
-void PauseController::resume_async(Segment& segment, Backing& backing, StreamHandle consumer) {
+void PauseController::resume_async(Segment& segment, StreamHandle consumer) {
   EventHandle done = take_event();  // before anything changes: failing here changes nothing
   try {
-    restore_chunks({&segment}, backing, inbound_);
+    restore_chunks({&segment}, inbound_);
     inbound_.record(done);
     driver_.stream_wait_event(device_, consumer, done);
   } catch (...) {
@@ -280,12 +278,12 @@ EventHandle PauseController::start_backup(Segment& segment, EventHandle after) {
   return done;
 }
 
-void PauseController::finish_backup(Segment& segment, Backing& backing, EventHandle done) {
+void PauseController::finish_backup(Segment& segment, EventHandle done) {
   driver_.event_synchronize(device_, done);  // completed already when the caller polled it
   for (Chunk& chunk : segment.chunks) {
     if (!chunk.mapped) continue;
     if (!chunk.stale) chunk.backed_up = true;
-    backing.release_chunk(segment, chunk);
+    segment.backing->release_chunk(segment, chunk);
   }
 }
 

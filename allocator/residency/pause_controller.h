@@ -75,12 +75,12 @@ class PauseController {
 
   // `fenced`: the caller has already made sure no queued work uses the segments (LMS page-out
   // waits for the segment's own stream), so the device-wide synchronize is skipped.
-  void pause(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy,
+  void pause(const std::vector<Segment*>& segments, const BackupPolicy& policy,
              bool fenced = false);
-  void resume(const std::vector<Segment*>& segments, Backing& backing, const BackupPolicy& policy);
+  void resume(const std::vector<Segment*>& segments, const BackupPolicy& policy);
   // Note [Asynchronous resume]: maps and queues the copies like resume(), then makes `consumer`
   // wait for them instead of the host. The backups are released once the copies are done.
-  void resume_async(Segment& segment, Backing& backing, StreamHandle consumer);
+  void resume_async(Segment& segment, StreamHandle consumer);
   // Releases the backups of asynchronous resumes whose copies have completed (all of them,
   // waiting, when `wait`).
   void retire_async(bool wait);
@@ -91,7 +91,7 @@ class PauseController {
   EventHandle start_backup(Segment& segment, EventHandle after);
   // After that event: marks the chunks backed up and releases them. A failure part way leaves
   // each chunk either mapped, or released with its bytes in the backup (Note [Failure atomicity]).
-  void finish_backup(Segment& segment, Backing& backing, EventHandle done);
+  void finish_backup(Segment& segment, EventHandle done);
   // The pause is called off (the segment is wanted again): the segment stays as it was, its new
   // backup is released once `done` has completed.
   void abandon_backup(Segment& segment, EventHandle done);
@@ -118,11 +118,10 @@ class PauseController {
   // Note [Where a backup goes].
   static bool uses_disk(const Segment& segment, const BackupPolicy& policy);
   // The host-memory pause: copies to host buffers, unmapping as copies complete.
-  void pause_to_host(const std::vector<Segment*>& segments, Backing& backing,
-                     const BackupPolicy& policy);
+  void pause_to_host(const std::vector<Segment*>& segments, const BackupPolicy& policy);
   // Maps every chunk that does not hold its contents and queues its copy on `engine`; undoes it
   // all (Note [Failure atomicity]) and rethrows on failure.
-  void restore_chunks(const std::vector<Segment*>& segments, Backing& backing, CopyEngine& engine);
+  void restore_chunks(const std::vector<Segment*>& segments, CopyEngine& engine);
   EventHandle take_event();
 
   Driver& driver_;
