@@ -5,7 +5,7 @@
 
 #include "allocator/errors.h"
 #include "allocator/log.h"
-#include "allocator/stats/segment_footprint.h"
+#include "allocator/residency/segment_footprint.h"
 
 namespace tus {
 

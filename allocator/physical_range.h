@@ -18,6 +18,10 @@ struct Capabilities {
   bool share = false;    // its physical handles can be exported to another process
 };
 
+// Managed memory is allocated and tracked in pages of this size above it: the driver migrates
+// large pages fastest.
+constexpr std::size_t kManagedPageBytes = 2 * kMiB;
+
 // A piece of a VMM range backed by its own physical handle, so that pause and resume can give
 // back and take memory piece by piece while copies of the other pieces are in flight.
 struct Chunk {

@@ -4,13 +4,12 @@
 #include <unistd.h>
 
 #include "allocator/log.h"
-#include "allocator/residency/managed_state.h"  // the page size the residency tracks
 
 namespace tus {
 
 std::size_t ManagedBacking::rounded_size(std::size_t requested) {
   const std::size_t bytes = requested == 0 ? 1 : requested;
-  if (bytes >= ManagedState::kPageBytes) return round_up_checked(bytes, ManagedState::kPageBytes);
+  if (bytes >= kManagedPageBytes) return round_up_checked(bytes, kManagedPageBytes);
   return round_up_checked(bytes, static_cast<std::size_t>(getpagesize()));
 }
 

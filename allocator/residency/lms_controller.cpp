@@ -4,7 +4,7 @@
 
 #include "allocator/log.h"
 #include "allocator/message.h"
-#include "allocator/stats/segment_footprint.h"
+#include "allocator/residency/segment_footprint.h"
 
 namespace tus {
 

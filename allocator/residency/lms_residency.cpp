@@ -7,7 +7,7 @@
 #include "allocator/driver/quiet_release.h"
 #include "allocator/errors.h"
 #include "allocator/log.h"
-#include "allocator/stats/segment_footprint.h"
+#include "allocator/residency/segment_footprint.h"
 
 namespace tus {
 

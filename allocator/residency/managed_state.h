@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "allocator/physical_range.h"
 #include "allocator/region_config.h"
 #include "allocator/types.h"
 
@@ -15,7 +16,7 @@ namespace tus {
 // What the allocator knows about a managed segment's bytes. Locations are tracked per 2 MiB page
 // as our own prefetches left them (Note [Tracked residency] in managed_residency.h).
 struct ManagedState {
-  static constexpr std::size_t kPageBytes = 2 * kMiB;
+  static constexpr std::size_t kPageBytes = kManagedPageBytes;
 
   ManagedAdvice advice;  // as applied at allocation, the allocating device resolved
   int device = 0;        // the allocating device: its pages are this allocator's device memory

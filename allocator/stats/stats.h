@@ -45,7 +45,7 @@ struct ScopeStats {
 
 // What one segment contributes to the footprint gauges, a field per gauge (stat_list.h); the
 // Allocator takes one before and one after each change to a segment and applies the difference
-// (FootprintChange in segment_footprint.h), so the stats are derived from segment state.
+// (FootprintChange in residency/segment_footprint.h), so the stats are derived from segment state.
 struct Footprint {
 #define TUS_DECLARE_SHARE(name, doc) std::int64_t name = 0;
   TUS_FOOTPRINT_GAUGES(TUS_DECLARE_SHARE)
