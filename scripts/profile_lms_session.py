@@ -3,7 +3,9 @@
 checkpointing, timed without the session and then with `tus.lms_session` at a limit of the
 plain run's peak / --ratio (0: the whole device), then the CUDA runtime and driver calls of one
 step without and one with the session (count and host time, from torch.profiler), then a
-cProfile of one session step (top functions by own time).
+cProfile of one session step (top functions by own time). The session opens after the plain
+steps, so AdamW's state already exists then; under a limit that pages more than a session opened
+before the first step (scripts/lms_session_open_order.py compares the two).
 
     python scripts/profile_lms_session.py [--ratio 0 | --limit-gib G] [--no-checkpointing]
                                           [--watch] [--steps 4]
