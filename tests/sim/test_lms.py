@@ -143,6 +143,30 @@ def test_freeing_a_reclaimed_block_needs_no_page_in(driver, lms, consistent) -> 
     assert consistent(lms)["pagein_bytes.lms"] == 0
 
 
+def test_a_cached_block_that_cannot_come_back_is_given_back_not_lost(
+    driver, lms, consistent
+) -> None:
+    # Note [Claims] in block_cache.h: the cache hands a cached block out only after the ladder
+    # made room to bring it back. When it cannot, the block goes back to the cache, whose own
+    # retry then gives wholly free segments back to the driver: nothing is left held by no one.
+    freed, first, second = (block(lms) for _ in range(3))
+    lms.reclaim_inactive()
+    assert lms.block_free(freed)  # cached, with no memory under it
+    big = lms.block_malloc(8 * MiB, mode="lms", stream=STREAM)
+    for ptr in (big, first, second):
+        assert lms.pin(ptr, STREAM)  # 16 MiB pinned: nothing can go
+    with pytest.raises(OutOfMemoryError, match="out of memory"):
+        lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    segments = lms.segments()
+    assert sorted(s["ptr"] for s in segments) == sorted((big, first, second))
+    assert driver.used_bytes() == sum(s["size"] for s in segments)
+    consistent(lms)
+    assert lms.unpin(first)  # inactive now: the ladder may page it out
+    again = lms.block_malloc(4 * MiB, mode="lms", stream=STREAM)
+    assert not resident(lms, first) and resident(lms, again)
+    consistent(lms)
+
+
 def test_a_block_freed_while_pinned_after_a_page_in_gives_its_host_buffer_back(
     driver, lms, fill, peek
 ) -> None:
