@@ -108,9 +108,7 @@ DevicePtr Allocator::malloc(std::size_t size, StreamHandle stream, const RegionC
   // Note [Allocating in a paused tag]: torch_memory_saver's callers are served.
   if (!region.allow_paused_tag) refuse_paused_tag_locked("malloc", region.tag);
   try {
-    if (region.mode == Mode::kLms) {
-      lms_control_.make_room(backing_for(region.mode).rounded_size(size), region.tag);
-    }
+    make_room_for_segment_locked(size, region);
     Segment& segment = allocate_segment_locked(size, region);
     admit_segment_locked(segment, stream, region, false);
     return segment.ptr;
@@ -143,6 +141,11 @@ ManagedAdvice Allocator::resolved_advice(const RegionConfig& region) const {
   return advice;
 }
 
+void Allocator::make_room_for_segment_locked(std::size_t size, const RegionConfig& region) {
+  if (region.mode != Mode::kLms) return;
+  lms_control_.make_room(backing_for(region.mode).rounded_size(size), region.tag);
+}
+
 Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig& region) {
   Backing& backing = backing_for(region.mode);
   auto segment = std::make_unique<Segment>();
@@ -152,8 +155,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
   segment->tag = region.tag;
   segment->cpu_backup = region.cpu_backup || region.disk_backup;
   segment->backing = &backing;
-  segment->can = backing.capabilities();
-  if (segment->can.migrate) managed_residency_.check_guard(segment->size, region.tag);
+  if (segment->can().migrate) managed_residency_.check_guard(segment->size, region.tag);
   TagState& tag_state = tag_state_locked(region.tag);  // a tag exists from its first allocation
   if (region.disk_backup) {
     tag_state.policy.disk = true;
@@ -162,7 +164,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
     tag_state.policy.disk = false;
   }
   try {
-    if (segment->can.migrate) {
+    if (segment->can().migrate) {
       managed_.allocate(*segment, resolved_advice(region));  // with its advice, from the start
     } else {
       backing.allocate(*segment);
@@ -183,7 +185,7 @@ Segment& Allocator::allocate_segment_locked(std::size_t size, const RegionConfig
 
 void Allocator::admit_segment_locked(Segment& placed, StreamHandle stream,
                                      const RegionConfig& region, bool single_block) {
-  if (placed.can.migrate) managed_residency_.admit(placed, resolved_advice(region), stream);
+  if (placed.can().migrate) managed_residency_.admit(placed, resolved_advice(region), stream);
   if (placed.mode == Mode::kLms) lms_control_.admit(placed, single_block, stream);
   if (placed.mode == Mode::kManaged) {
     try {
@@ -234,12 +236,11 @@ void Allocator::free_locked(DevicePtr ptr) noexcept {
     return;
   }
   Segment& segment = *it->second;
-  if (segment.mode == Mode::kLms) lms_.settle_before_free(segment);
-  const Footprint before =
-      footprint(segment, managed_residency_.state(segment), lms_.block(segment));
+  LmsBlock* lms_block = segment.mode == Mode::kLms ? lms_.settle_before_free(segment) : nullptr;
+  const Footprint before = footprint(segment, managed_residency_.state(segment), lms_block);
   // The lms record first: it points into the managed one (LmsBlock::managed).
-  if (segment.mode == Mode::kLms) lms_.forget(segment);
-  if (segment.can.migrate) managed_residency_.forget(segment);
+  if (lms_block != nullptr) lms_.forget(*lms_block);
+  if (segment.can().migrate) managed_residency_.forget(segment);
   try {
     segment.backing->deallocate(segment);
   } catch (const CudaError& error) {
@@ -353,9 +354,8 @@ BlockCache::Placed Allocator::place_block_locked(std::size_t size, StreamHandle 
   try {
     if (Segment* cached = claim.cached_segment()) {
       reuse_segment_locked(*cached, stream);
-    } else if (region.mode == Mode::kLms) {
-      const std::size_t bytes = backing_for(region.mode).rounded_size(claim.new_segment_bytes());
-      lms_control_.make_room(bytes, region.tag);
+    } else {
+      make_room_for_segment_locked(claim.new_segment_bytes(), region);
     }
     placed = blocks_.commit(claim);
   } catch (...) {
@@ -415,7 +415,7 @@ std::size_t Allocator::prefetch(DevicePtr ptr, std::size_t size, MemLocation to,
   std::lock_guard<std::mutex> lock(mutex_);
   if (to.is_none()) TUS_THROW(InvalidArgument, "prefetch needs a destination (cpu or a device)");
   Segment* segment = segment_containing_locked(ptr);
-  if (segment != nullptr && !segment->can.migrate) {
+  if (segment != nullptr && !segment->can().migrate) {
     TUS_THROW(InvalidArgument, "prefetch: " << hex_address(ptr) << " is "
                                             << mode_name(segment->mode)
                                             << " memory, not managed memory");

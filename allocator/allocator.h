@@ -252,6 +252,9 @@ class Allocator final : private SegmentSource, private SnapshotSpans, private Se
 
   Backing& backing_for(Mode mode);
   std::vector<Segment*> segments_of_mode_locked(Mode mode);
+  // Before a new segment of `size` bytes (before rounding) is mapped for `region`: LMS keeps to
+  // its limit (Note [The allocation ladder]). Throws OutOfMemory.
+  void make_room_for_segment_locked(std::size_t size, const RegionConfig& region);
   // A new segment for `region`, mapped and registered, counted in the stats; not yet admitted.
   Segment& allocate_segment_locked(std::size_t size, const RegionConfig& region);
   // The residency managers take a new segment on (LMS's reclaim list, the managed budget, pinning

@@ -10,8 +10,9 @@
 
 namespace tus {
 
-// What a range's physical memory can do, as the backing that allocated it declares. Code that
-// needs one of these asks the range, never which mode or backing it came from.
+// What a range's physical memory can do, as the backing that allocated it declares
+// (Backing::capabilities). Code that needs one of these asks for it, never which mode or backing
+// the memory came from.
 struct Capabilities {
   bool pause = false;    // a chunk's memory can go and come back at the same address
   bool migrate = false;  // its pages move between host and devices (managed memory)
@@ -40,7 +41,6 @@ struct PhysicalRange {
   DevicePtr ptr = 0;
   std::size_t size = 0;       // a multiple of the backing's granularity
   std::vector<Chunk> chunks;  // VMM ranges only; other memory is resident while allocated
-  Capabilities can;           // set by the backing that allocated it
 
   bool contains(DevicePtr address) const { return address >= ptr && address < ptr + size; }
 

@@ -9,13 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "allocator/backing/backing.h"
 #include "allocator/physical_range.h"
 #include "allocator/residency/host_buffer.h"
 #include "allocator/types.h"
 
 namespace tus {
-
-class Backing;
 
 struct Segment : PhysicalRange {
   std::size_t requested = 0;   // bytes the client asked for (`size`: rounded up by the backing)
@@ -32,6 +31,8 @@ struct Segment : PhysicalRange {
   bool pin_ahead = false;
   bool pin_ahead_expected = false;
 
+  // What its memory can do, as its backing declares.
+  Capabilities can() const { return backing->capabilities(); }
   bool paused() const { return resident_bytes() < size; }
   // Some chunk's only copy of its bytes is in the backup (unmapped, or mapped but stale): the
   // backup must be kept, and a pause must add to it rather than start a new one.

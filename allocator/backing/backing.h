@@ -1,8 +1,8 @@
 // Backing: a kind of physical memory. It only talks to the driver and sees only a PhysicalRange:
 // allocate and deallocate one, and, where it declares it can, give a chunk's physical memory back
-// and take fresh memory under it (pause/resume). What it declares (Capabilities) is stamped on
-// each range it allocates, and the layers above ask the range, not the mode. Tags, backups and
-// ordering live above, in residency/.
+// and take fresh memory under it (pause/resume). The layers above ask what it declares
+// (Capabilities, through Segment::can), not the mode. Tags, backups and ordering live above, in
+// residency/.
 #pragma once
 
 #include <cstddef>

@@ -119,7 +119,7 @@ LmsBlock& LmsResidency::admit(Segment& segment, bool single_block, StreamHandle 
   LmsBlock& block = blocks_[&segment];
   block = LmsBlock{};
   block.segment = &segment;
-  block.managed = segment.can.migrate ? managed_.state(segment) : nullptr;
+  block.managed = segment.can().migrate ? managed_.state(segment) : nullptr;
   block.reclaimable = single_block && segment.size >= size_;
   block.stream = stream;  // allocated: not on the list (Note [Only pinned blocks ...])
   return block;
@@ -135,9 +135,9 @@ const LmsBlock* LmsResidency::block(const Segment& segment) const {
   return it == blocks_.end() ? nullptr : &it->second;
 }
 
-void LmsResidency::settle_before_free(Segment& segment) {
+LmsBlock* LmsResidency::settle_before_free(Segment& segment) {
   auto it = blocks_.find(&segment);
-  if (it == blocks_.end()) return;
+  if (it == blocks_.end()) return nullptr;
   LmsBlock& block = it->second;
   // Runs on the free path, which cannot throw: a failed wait is logged (the context is most
   // likely lost by then) and the segment still leaves every list.
@@ -155,17 +155,14 @@ void LmsResidency::settle_before_free(Segment& segment) {
              std::string("free: waiting for a page-out's copy failed: ") + error.what());
   }
   if (block.state == LmsState::kPagingOut) cancel_page_out(block);
+  return &block;
 }
 
-void LmsResidency::forget(Segment& segment) {
-  auto it = blocks_.find(&segment);
-  if (it == blocks_.end()) return;
-  LmsBlock& block = it->second;
-  list_.remove(block);  // settle_before_free did, unless it was skipped
+void LmsResidency::forget(LmsBlock& block) {
   erase_value(speculated_, &block);
   erase_value(prefetched_, &block);
   if (block.last_use != nullptr) spare_events_.push_back(block.last_use);
-  blocks_.erase(it);
+  blocks_.erase(block.segment);
 }
 
 void LmsResidency::pin(LmsBlock& block, StreamHandle stream) {

@@ -144,9 +144,9 @@ class LmsResidency {
   // Before `segment` is freed: waits for the copies that read it and cancels a page-out in
   // flight, which applies its own change to the gauges (the footprint the free takes away is
   // the one after it). Never throws.
-  void settle_before_free(Segment& segment);
+  LmsBlock* settle_before_free(Segment& segment);
   // Drops the record of `segment` (settled first); before the ManagedResidency forgets it.
-  void forget(Segment& segment);
+  void forget(LmsBlock& block);
   // The record of an admitted segment, or null: the one lookup of a pin or unpin. The methods
   // below take the record, so nothing is looked up twice.
   LmsBlock* block(const Segment& segment);

@@ -46,7 +46,7 @@ inline Footprint footprint(const Segment& segment, const ManagedState* managed,
   print.requested_bytes = static_cast<std::int64_t>(segment.requested);
   print.segment = 1;
   const bool pinned = lms != nullptr && lms->pins > 0;
-  if (segment.can.migrate) {
+  if (segment.can().migrate) {
     auto placed = [&](auto where) {
       return managed == nullptr
                  ? std::int64_t{0}
