@@ -1,0 +1,198 @@
+"""Where one LMS session step under a limit loses time against the device: GPT-2 medium as in
+profile_lms_session.py (batch 8 x 1024, bf16 autocast, checkpointing, fused AdamW in 256 MiB
+groups), the session opened before the first step (as the benchmark opens it), then one step
+recorded with torch.profiler and every idle gap of the compute stream put down to its cause.
+
+    python scripts/lms_step_timeline.py [--limit-gib 6.71] [--warmup 4] [--trace FILE]
+    python scripts/lms_step_timeline.py --from-trace FILE    (no GPU: a kept trace)
+
+A gap ends when the compute stream's next kernel or copy starts. From the gap's start until
+that work was launched the host was the cause: it sat in a synchronizing call
+(cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize: PyTorch's allocator retries
+after freeing its cache wait for every stream and every pending event), or in the allocator's
+driver calls (cuMemMap, cuMemUnmap, cudaMalloc, ...), or else it was late launching it (Python,
+the dispatch mode). From the launch to the gap's end the stream waited on another stream (a
+page-in landing, a page-out copy still queued). A host that blocks in a synchronizing call
+while the device is busy shows up as "host late" in the gap that follows: the queue it let
+drain. Prints the step time, the busy time of the compute stream and of each copy direction,
+the gap time by cause, the largest gaps, and the CUDA calls that took the most host time. Needs
+a GPU and transformers (not with --from-trace); 4x of native's peak is 6.71 GiB (3x: 8.94).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import torch
+from profile_lms_session import build, step
+from torch.profiler import ProfilerActivity, profile
+
+import torch_uvm_saver as tus
+
+SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+ALLOCATOR_CALLS = (
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemSetAccess",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaHostAlloc",
+    "cudaMallocHost",
+    "cudaFreeHost",
+)
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in merged(intervals)) / 1e3
+
+
+def overlapping(calls: list[dict], start: float, end: float) -> dict | None:
+    """The longest host call among `calls` that overlaps [start, end]."""
+    best = None
+    for call in calls:
+        overlaps = call["ts"] < end and call["ts"] + call["dur"] > start
+        if overlaps and (best is None or call["dur"] > best["dur"]):
+            best = call
+    return best
+
+
+def analyse(events: list[dict], gap_us: float, show: int) -> None:
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    host_calls = [
+        e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+    ]
+    by_stream: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e["args"].get("stream", -1)].append(e)
+    compute = max(
+        by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if e["cat"] == "kernel")
+    )
+    launches = {c["args"].get("correlation"): c for c in host_calls if "correlation" in c["args"]}
+    work = sorted(by_stream[compute], key=lambda e: e["ts"])
+    first, last = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
+    print(f"compute stream {compute}: {(last - first) / 1e3:.1f} ms from first to last work")
+    print(f"  busy {busy_ms([(e['ts'], e['ts'] + e['dur']) for e in work]):.1f} ms")
+    for direction in ("DtoH", "HtoD"):
+        copies = [e for e in gpu if e["cat"] == "gpu_memcpy" and direction in e["name"]]
+        moved = sum(e["args"].get("bytes", 0) for e in copies)
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in copies]
+        print(
+            f"  {direction} copies (all streams): {len(copies)}, {moved / 1e9:.2f} GB, busy "
+            f"{busy_ms(spans):.1f} ms"
+        )
+    causes: dict[str, float] = collections.defaultdict(float)
+    gaps = []
+    end_so_far = work[0]["ts"] + work[0]["dur"]
+    for e in work[1:]:
+        if e["ts"] - end_so_far >= gap_us:
+            start, end = end_so_far, e["ts"]
+            launch = launches.get(e["args"].get("correlation"))
+            launched = launch["ts"] if launch is not None else end
+            sync = overlapping([c for c in host_calls if c["name"] in SYNCS], start, launched)
+            alloc = overlapping(
+                [c for c in host_calls if c["name"] in ALLOCATOR_CALLS], start, launched
+            )
+            if sync is not None:
+                cause = f"host in {sync['name']}"
+            elif alloc is not None:
+                cause = f"host in {alloc['name']}"
+            else:
+                cause = "host late (Python)"
+            # Launched within the gap: the host's part ends there; the rest the stream waited.
+            host_part = min(max(launched - start, 0.0), end - start)
+            waited = (end - start) - host_part
+            causes[cause] += host_part / 1e3
+            causes["waited on another stream"] += waited / 1e3
+            main = cause if host_part >= waited else "waited on another stream"
+            gaps.append(((end - start) / 1e3, start, main, e["name"][:60]))
+        end_so_far = max(end_so_far, e["ts"] + e["dur"])
+    total = sum(causes.values())
+    print(f"  idle gaps of {gap_us:.0f} us or more: {len(gaps)}, {total:.1f} ms")
+    for cause, ms in sorted(causes.items(), key=lambda kv: -kv[1]):
+        print(f"    {cause:<40} {ms:7.1f} ms")
+    print(f"  the {show} largest gaps (ms, at ms into the step, cause, the work after it):")
+    for ms, start, cause, name in sorted(gaps, reverse=True)[:show]:
+        print(f"    {ms:6.2f} at {(start - first) / 1e3:7.1f}  {cause:<32} {name}")
+    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for c in host_calls:
+        calls[c["name"]][0] += 1
+        calls[c["name"]][1] += c["dur"] / 1e3
+    print(
+        "  CUDA calls by host time: "
+        + ", ".join(
+            f"{name} {count} / {ms:.1f} ms"
+            for name, (count, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit-gib", type=float, default=6.71, help="4x of native's peak")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--gap-us", type=float, default=50.0)
+    parser.add_argument("--show", type=int, default=12)
+    parser.add_argument("--trace", default="", help="keep the chrome trace here")
+    parser.add_argument("--from-trace", default="", help="analyse a kept trace (.json[.gz]) only")
+    args = parser.parse_args()
+    if args.from_trace:
+        opener = gzip.open if args.from_trace.endswith(".gz") else open
+        with opener(args.from_trace, "rt") as f:
+            analyse(json.load(f)["traceEvents"], args.gap_us, args.show)
+        return
+    model, optimizer = build(checkpointing=True)
+    ids = torch.randint(0, 50257, (8, 1024), device="cuda")
+    session = tus.lms_session(int(args.limit_gib * 2**30), [model], [optimizer])
+
+    def one() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with session:
+            step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        one()
+    plain_s = one()
+    before = session.stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        traced_s = one()
+    after = session.stats()
+    moved = {k: after[k] - before[k] for k in ("pageout_bytes", "pagein_bytes", "prefetch_bytes")}
+    print(
+        f"limit {args.limit_gib:.2f} GiB: step {plain_s * 1e3:.1f} ms untraced, "
+        f"{traced_s * 1e3:.1f} ms traced; "
+        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in moved.items())
+    )
+    path = args.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+    recorded.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    analyse(events, args.gap_us, args.show)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()
