@@ -38,8 +38,8 @@ def main() -> None:
             step(model, optimizer, ids)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     session = tus.lms_session(int(args.limit_gib * 2**30), [model], [optimizer])
+    torch.cuda.reset_peak_memory_stats()  # from the limit on (the session's open moves storages)
     times: list[float] = []
     before = session.stats()
     for i in range(args.steps):

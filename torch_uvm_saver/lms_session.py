@@ -85,6 +85,21 @@ Note [Expandable segments]
     way, and turns them off again at close(); ``expandable_segments=False`` leaves the
     allocator alone.
 
+Note [Storages made before the session]
+    Expandable segments serve the segments made after they are turned on. The parameters, and
+    the optimizer's state when it exists already, were allocated before, in fixed segments: a
+    page-out there leaves a hole that stays reserved, under the limit, and that only requests of
+    its size reuse. On an H100 (GPT-2 medium with AdamW's state made before the session, limit
+    6.71 GiB) the loss's 1.54 GiB request failed with 2.82 GiB reserved and unallocated. So when
+    the session runs with expandable segments, it moves the managed storages it is given at
+    open that lie in fixed segments (torch.cuda.memory_snapshot says which) into expandable
+    ones: copied aside, their memory given back (PyTorch releases the fixed segments that
+    empties), new memory taken, copied back. The copy aside is one device buffer (host memory
+    when the device has no room for it), so for that moment PyTorch holds up to twice the
+    moved bytes, before the limit is set: 9.09 GiB against a limit of 6.71 GiB for that run
+    on an H200. The storages' tensors and views follow as they do when paging. Storages that cannot
+    get device memory back (the device filled up meanwhile) start paged out.
+
 Note [Optimizer state on the host]
     With ``optimizer_state="host"`` the state each optimizer creates (Adam's moments) is moved,
     after the iteration that created it, into managed memory (``tus.manage_memory``) advised to
@@ -120,6 +135,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
+from .segment_move import byte_view as _byte_view
+from .segment_move import in_fixed_segments, move_into_expandable_segments
 
 __all__ = ["LmsSession", "lms_session", "suggest_placement"]
 
@@ -210,10 +227,6 @@ class _Saved:
         # At interpreter exit the session, or torch, may be half torn down: never raise here.
         with contextlib.suppress(Exception):
             session._release_saved(self.block, self.tensor)
-
-
-def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -353,7 +366,7 @@ class LmsSession:
         if self._cuda:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
-            self._limit_allocator()
+            self._prepare_allocator()
         for module in modules:
             for name, parameter in module.named_parameters():
                 if parameter.device == self.device and parameter.nbytes >= self.min_bytes:
@@ -365,6 +378,10 @@ class LmsSession:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
             self._adopt_optimizer_state(optimizer)
+        if self._cuda:
+            if self._expandable_segments_on():
+                self._move_out_of_fixed_segments()
+            self._set_fraction()
 
     # -- the training block --------------------------------------------------------------------
 
@@ -434,7 +451,7 @@ class LmsSession:
         self._sweep()
         with self._own_operators():
             for block in self._planner.bring_all_in():
-                self._page_in(block, prefetch=False)
+                self._page_in(block)
             self._wait_landing(list(self._landing))
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -547,7 +564,7 @@ class LmsSession:
         # bytes back in place if they were out), otherwise it dies with `t`.
         if self._planner.is_out(block) and torch._C._storage_Use_Count(entry.weak) > 1:
             with self._own_operators():
-                self._page_in(block, prefetch=False)
+                self._page_in(block)
         self._drop(block)
 
     def _adopt_gradient(self, parameter: torch.Tensor) -> None:
@@ -612,7 +629,7 @@ class LmsSession:
                 if block in self._entries:
                     if self._planner.is_out(block):
                         with self._own_operators():
-                            self._page_in(block, prefetch=False)
+                            self._page_in(block)
                     self._drop(block)
                 placed = manage_memory(value)
                 advise(placed, preferred_location="cpu", accessed_by=self.device)
@@ -698,21 +715,10 @@ class LmsSession:
     def _carry_out(self, plan: tuple[list[int], list[int], list[int]], ids: list[int]) -> None:
         page_out, page_in, prefetch = plan
         with self._own_operators():
-            for block in page_out:
-                self._page_out(block)
+            self._page_out_all(page_out)
             for block in page_in:
                 self._page_in_making_room(block, ids)
-            for index, block in enumerate(prefetch):
-                if self._planner.is_out(block):
-                    continue  # a victim of making room for a page-in above: it stays out
-                try:
-                    self._page_in(block, prefetch=True)
-                except torch.OutOfMemoryError:
-                    # Ahead of need only: no room after all, so this and the rest stay out
-                    # (their bytes untouched) and come in on demand.
-                    for rest in prefetch[index:]:
-                        self._planner.prefetch_failed(rest)
-                    break
+            self._prefetch_all(prefetch)
 
     def _wait_landing(self, ids: list[int]) -> None:
         current = self._current_stream() if self._cuda else None
@@ -721,18 +727,44 @@ class LmsSession:
             if event is not None and current is not None:
                 current.wait_event(event)
 
-    def _page_out(self, block: int) -> None:
+    def _page_out_all(self, blocks: list[int]) -> None:
+        """Copies these blocks to the host and gives their device memory back. On a GPU the
+        copies queue on the page-out stream behind what the current stream has queued (their
+        last uses): one wait and one stream switch for the whole batch, one event after it."""
+        if not blocks:
+            return
+        if not self._cuda:
+            for block in blocks:
+                self._page_out_one(block, None)
+            return
+        stream = self._out_stream
+        stream.wait_stream(self._current_stream())
+        copied: list[_Entry] = []
+        try:
+            with torch.cuda.stream(stream):
+                for block in blocks:
+                    if self._page_out_one(block, stream):
+                        copied.append(self._entries[block])
+        finally:
+            if copied:
+                event = stream.record_event()  # a page-in of any of them waits for it
+                for entry in copied:
+                    entry.out_event = event
+
+    def _page_out_one(self, block: int, stream: torch.cuda.Stream | None) -> bool:
+        """Pages one block out (its copy queued on `stream`, the current one, when on a GPU);
+        whether it copied anything."""
         entry = self._entries.get(block)  # a saved tensor's release may have dropped it since
         storage = entry.storage() if entry is not None else None
         if storage is None:  # died since: nothing to move
             if entry is not None:
                 self._drop(block)
-            return
+            return False
         if storage.nbytes() == 0 and entry.host is not None:
             # Its bytes are on the host already: a prefetch the plan named but that has not run
             # yet (making room for a page-in before it chose it as a victim) is given up.
             self._out.add(block)
-            return
+            return False
         if storage.nbytes() != entry.nbytes:
             raise InvalidStateError(
                 f"lms_session: a managed storage changed size from {entry.nbytes} to "
@@ -747,20 +779,16 @@ class LmsSession:
             self._clean_pageout_bytes += entry.nbytes
             storage.resize_(0)
             self._out.add(block)
-            return
+            return False
         device_bytes = _byte_view(storage)
         host = entry.host  # the buffer of an earlier copy, reused: its reads are ordered before
-        if self._cuda:
-            stream = self._out_stream
-            stream.wait_stream(self._current_stream())  # after its last use
+        if stream is not None:
             landing = self._landing.pop(block, None)
             if landing is not None:
                 stream.wait_event(landing)
-            with torch.cuda.stream(stream):
-                if host is None:
-                    host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
-                host.copy_(device_bytes, non_blocking=True)
-                entry.out_event = stream.record_event()
+            if host is None:
+                host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+            host.copy_(device_bytes, non_blocking=True)
             device_bytes.record_stream(stream)  # the block is reused only after the copy
         elif host is None:
             host = device_bytes.clone()
@@ -771,17 +799,19 @@ class LmsSession:
         del device_bytes
         storage.resize_(0)
         self._out.add(block)
+        return True
 
     def _page_in_making_room(self, block: int, ids: list[int]) -> None:
         for attempt in range(OOM_RETRIES + 1):
             try:
-                self._page_in(block, prefetch=False)
+                self._page_in(block)
                 return
             except torch.OutOfMemoryError as error:
                 if attempt == OOM_RETRIES or not self._make_room(error, attempt, ids):
                     raise OutOfMemoryError(self._no_room(error, ids)) from error
 
-    def _page_in(self, block: int, prefetch: bool) -> None:
+    def _page_in(self, block: int) -> None:
+        """Pages one block in on the current stream: the operator about to run reads it."""
         entry = self._entries.get(block)
         storage = entry.storage() if entry is not None else None
         if storage is None:
@@ -792,23 +822,58 @@ class LmsSession:
         device_bytes = _byte_view(storage)
         if self._cuda:
             current = self._current_stream()
-            if prefetch:
-                stream = self._in_stream
-                stream.wait_stream(current)  # the fresh block may be memory still in use there
-            else:
-                stream = current
             if entry.out_event is not None:  # kept: a clean page-out copies nothing new
-                stream.wait_event(entry.out_event)
-            with torch.cuda.stream(stream):
-                device_bytes.copy_(entry.host, non_blocking=True)
-                if prefetch:
-                    self._landing[block] = stream.record_event()
-            if prefetch:
-                device_bytes.record_stream(stream)
+                current.wait_event(entry.out_event)
+            device_bytes.copy_(entry.host, non_blocking=True)
         else:
             device_bytes.copy_(entry.host)
         entry.host_current = True  # until an operator writes the block
         self._out.discard(block)
+
+    def _prefetch_all(self, blocks: list[int]) -> None:
+        """Pages blocks in ahead of their reads. Each takes its device memory on the current
+        stream, where it may be memory still in use; on a GPU the copies then queue on the
+        prefetch stream behind that (one wait, one stream switch) and each records the event that
+        its first reader waits for (_wait_landing)."""
+        ready: list[tuple[int, _Entry, torch.UntypedStorage]] = []
+        for index, block in enumerate(blocks):
+            if self._planner.is_out(block):
+                continue  # a victim of making room for a page-in before it: it stays out
+            entry = self._entries.get(block)
+            storage = entry.storage() if entry is not None else None
+            if storage is None:
+                if entry is not None:
+                    self._drop(block)
+                continue
+            try:
+                storage.resize_(entry.nbytes)
+            except torch.OutOfMemoryError:
+                # Ahead of need only: no room after all, so this and the rest stay out (their
+                # bytes untouched) and come in on demand.
+                for rest in blocks[index:]:
+                    self._planner.prefetch_failed(rest)
+                break
+            ready.append((block, entry, storage))
+        if not ready:
+            return
+        if not self._cuda:
+            for block, entry, storage in ready:
+                _byte_view(storage).copy_(entry.host)
+                entry.host_current = True
+                self._out.discard(block)
+            return
+        stream = self._in_stream
+        stream.wait_stream(self._current_stream())
+        with torch.cuda.stream(stream):
+            for block, entry, storage in ready:
+                if entry.out_event is not None:  # kept: a clean page-out copies nothing new
+                    stream.wait_event(entry.out_event)
+                device_bytes = _byte_view(storage)
+                device_bytes.copy_(entry.host, non_blocking=True)
+                self._landing[block] = stream.record_event()
+                device_bytes.record_stream(stream)
+                entry.host_current = True  # until an operator writes the block
+                self._out.discard(block)
 
     # -- out of memory ---------------------------------------------------------------------
 
@@ -840,8 +905,7 @@ class LmsSession:
         when there was nothing left to page out."""
         wanted = min(max(_requested_bytes(error), self.limit // 32) << attempt, self.limit)
         victims = self._planner.make_room(wanted, ids)
-        for block in victims:
-            self._page_out(block)
+        self._page_out_all(victims)
         if self._cuda:
             # The victims' blocks are free once their copies are done; PyTorch's retry after a
             # failed allocation waits for those events and gives cached blocks back.
@@ -881,7 +945,9 @@ class LmsSession:
     def _allocator_peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
 
-    def _limit_allocator(self) -> None:
+    def _prepare_allocator(self) -> None:
+        """Checks the limit and turns expandable segments on; the limit itself is set once the
+        storages that were there before are moved (_move_out_of_fixed_segments)."""
         if self._expandable and "expandable_segments" not in _allocator_settings():
             self._expandable_turned_on = _set_allocator_settings("expandable_segments:True")
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -892,14 +958,35 @@ class LmsSession:
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         self._previous_fraction = float(getter(self.device)) if getter is not None else 1.0
         self._total = total
-        self._set_fraction()
+
+    def _expandable_segments_on(self) -> bool:
+        return self._expandable_turned_on or "expandable_segments:true" in _allocator_settings()
 
     def _set_fraction(self) -> None:
-        expandable = self._expandable_turned_on or (
-            "expandable_segments:true" in _allocator_settings()
-        )
-        allowed = max(0, self.limit - EXPANDABLE_STEP) if expandable else self.limit
+        allowed = self.limit
+        if self._expandable_segments_on():
+            allowed = max(0, self.limit - EXPANDABLE_STEP)
         torch.cuda.set_per_process_memory_fraction(allowed / self._total, self.device)
+
+    def _move_out_of_fixed_segments(self) -> None:
+        """Note [Storages made before the session]."""
+        held = [(b, entry) for b, entry in self._entries.items() if entry.strong is not None]
+        storages = [entry.strong for _, entry in held]
+        moving = in_fixed_segments(storages, self.device)
+        if not moving:
+            return
+        stranded = move_into_expandable_segments([storages[i] for i in moving], self.device)
+        if not stranded:
+            return
+        # The device filled up between giving the memory back and taking it again: those
+        # storages are out, their bytes in the host copies, and come back when read.
+        out = set()
+        for index, host in stranded:
+            block, entry = held[moving[index]]
+            entry.host, entry.host_current = host, True
+            out.add(block)
+        self._planner.evict_all([block for block in self._entries if block not in out])
+        self._out |= out
 
 
 class _Busy:

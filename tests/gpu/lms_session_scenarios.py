@@ -53,14 +53,14 @@ def train(model, optimizer, session=None, steps=4, checkpoint=False):
     return losses
 
 
-def reference(checkpoint=False):
+def reference(checkpoint=False, steps=4):
     """Losses, parameters and peak reserved bytes of the same training without a limit."""
     import torch
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer = make_model()
-    losses = train(model, optimizer, checkpoint=checkpoint)
+    losses = train(model, optimizer, steps=steps, checkpoint=checkpoint)
     peak = torch.cuda.max_memory_reserved()
     params = [p.detach().cpu() for p in model.parameters()]
     del model, optimizer
@@ -143,18 +143,22 @@ def a_session_with_room_goes_quiet_and_trains_bit_for_bit() -> None:
     assert got[3]["pageout_count"] == 0
 
 
+def expandable(t) -> bool:
+    """Whether the segment that holds `t` is expandable."""
+    import torch
+
+    for segment in torch.cuda.memory_snapshot():
+        start = segment["address"]
+        if start <= t.data_ptr() < start + segment["total_size"]:
+            return segment["is_expandable"]
+    raise AssertionError("no segment holds the tensor")
+
+
 @scenario
 def the_session_turns_expandable_segments_on_while_open() -> None:
     import torch
 
     import torch_uvm_saver as tus
-
-    def expandable(t) -> bool:
-        for segment in torch.cuda.memory._snapshot()["segments"]:
-            start = segment["address"]
-            if start <= t.data_ptr() < start + segment["total_size"]:
-                return segment["is_expandable"]
-        raise AssertionError("no segment holds the tensor")
 
     before = torch.ones(64 << 20, device="cuda")
     session = tus.lms_session(1 << 34)
@@ -202,6 +206,115 @@ def optimizer_state_on_the_host_trains_bit_for_bit_under_the_limit() -> None:
     assert moments and all(tus.is_managed(m) for m in moments)
     assert stats["host_placed_bytes"] == sum(m.nbytes for m in moments)
     assert peak <= limit, f"peak {peak} over the limit {limit}"
+
+
+def managed_by(model, optimizer) -> list:
+    """The parameters and optimizer state a session manages by default (1 MiB and more)."""
+    import torch
+
+    tensors = list(model.parameters()) + [
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    return [t for t in tensors if t.nbytes >= MiB]
+
+
+def opened_after_two_plain_steps(limit: int):
+    """Two steps without a session (AdamW makes its state in fixed segments), then the session
+    and four steps in it: (losses, parameters, peak in the session, stats, moved, values kept)."""
+    import torch
+
+    import torch_uvm_saver as tus
+
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    losses = train(model, optimizer, steps=2)
+    held = managed_by(model, optimizer)
+    fixed_before = sum(not expandable(t) for t in held)
+    addresses = [t.data_ptr() for t in held]
+    values = [t.detach().cpu() for t in held]
+    session = tus.lms_session(limit, [model], [optimizer])
+    moved = sum(t.data_ptr() != a for t, a in zip(held, addresses))
+    # Only what is resident can be read outside the block (Note [Reading a paged-out tensor]).
+    resident = [(t, v) for t, v in zip(held, values) if t.untyped_storage().nbytes() > 0]
+    kept = all(torch.equal(t.cpu(), v) for t, v in resident)
+    in_fixed = sum(not expandable(t) for t, _ in resident)
+    torch.cuda.reset_peak_memory_stats()  # the move at open happens before the limit holds
+    losses += train(model, optimizer, session)
+    peak = torch.cuda.max_memory_reserved()
+    stats = session.stats()
+    session.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    print(
+        f"{len(held)} managed at open, {fixed_before} in fixed segments; {moved} moved, "
+        f"{in_fixed} left in fixed segments; peak {peak / MiB:.0f} MiB under "
+        f"{limit / MiB:.0f} MiB; {stats}"
+    )
+    assert fixed_before == len(held), "the plain steps left storages in expandable segments"
+    return losses, params, peak, stats, moved, kept, in_fixed
+
+
+@scenario
+def storages_made_before_the_session_move_into_expandable_segments() -> None:
+    # Note [Storages made before the session]: the parameters and AdamW's state lie in fixed
+    # segments when the session opens; it moves them, values kept, and trains as the plain run.
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
+    expected = reference(steps=6)
+    limit = expected[2] // 2 + EXPANDABLE_STEP
+    losses, params, peak, stats, moved, kept, in_fixed = opened_after_two_plain_steps(limit)
+    assert kept, "a moved storage changed its values"
+    assert moved > 0 and in_fixed == 0, f"{in_fixed} storages left in fixed segments"
+    check_same_training(expected, (losses, params))
+    assert peak <= limit, f"peak {peak} over the limit {limit}"
+    assert stats["pageout_bytes"] > 0
+
+
+@scenario
+def a_storage_that_cannot_come_back_at_open_starts_paged_out() -> None:
+    # The device fills up between giving a fixed segment's memory back and taking new memory
+    # (here: the third request fails): that storage and the rest start paged out, bytes on the
+    # host, and the training is the same.
+    import importlib
+
+    import torch
+
+    from torch_uvm_saver import segment_move
+
+    # The package's `lms_session` attribute is the function: the module is reached by its name.
+    lms_session = importlib.import_module("torch_uvm_saver.lms_session")
+
+    expected = reference(steps=6)
+    real = torch.UntypedStorage.resize_
+    outcomes = []
+
+    def move_with_a_full_device(storages, device):
+        requests = []
+
+        def resize(storage, size):
+            requests.append(size)
+            if size > 0 and sum(1 for r in requests if r > 0) == 3:
+                raise torch.OutOfMemoryError("injected: the device filled up")
+            return real(storage, size)
+
+        torch.UntypedStorage.resize_ = resize
+        try:
+            stranded = segment_move.move_into_expandable_segments(storages, device)
+        finally:
+            torch.UntypedStorage.resize_ = real
+        outcomes.append((len(storages), len(stranded)))
+        return stranded
+
+    lms_session.move_into_expandable_segments = move_with_a_full_device
+    try:
+        got = opened_after_two_plain_steps(expected[2] * 2)
+    finally:
+        lms_session.move_into_expandable_segments = segment_move.move_into_expandable_segments
+    total, stranded = outcomes[0]
+    print(f"{stranded} of {total} storages stranded at open")
+    assert stranded == total - 2, f"{stranded} stranded, expected {total - 2}"
+    assert got[5], "a moved storage changed its values"
+    check_same_training(expected, got[:2])
+    assert got[3]["pagein_bytes"] + got[3]["prefetch_bytes"] > 0
 
 
 @scenario

@@ -331,10 +331,10 @@ def test_a_victim_whose_bytes_are_already_on_the_host_keeps_them():
     session = tus.lms_session(10**9, device="cpu", budget=10**8, min_bytes=SMALL)
     session.add(t)
     block = t.untyped_storage()._cdata
-    session._page_out(block)
-    session._page_out(block)  # chosen again before its page-in ran
+    session._page_out_all([block])
+    session._page_out_all([block])  # chosen again before its page-in ran
     assert t.untyped_storage().nbytes() == 0
-    session._page_in(block, prefetch=False)
+    session._page_in(block)
     assert torch.equal(t, torch.arange(4096, dtype=torch.float32))
     session.close()
 
