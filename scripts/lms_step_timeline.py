@@ -15,13 +15,16 @@ the dispatch mode). From the launch to the gap's end the stream waited on anothe
 page-in landing, a page-out copy still queued). A host that blocks in a synchronizing call
 while the device is busy shows up as "host late" in the gap that follows: the queue it let
 drain. Prints the step time, the busy time of the compute stream and of each copy direction,
-the gap time by cause, the largest gaps, and the CUDA calls that took the most host time. Needs
-a GPU and transformers (not with --from-trace); 4x of native's peak is 6.71 GiB (3x: 8.94).
+the gap time by cause, the largest gaps, the operators under which the session queued the most
+copies, the allocations that took over a millisecond, and the CUDA calls that took the most host
+time. Needs a GPU and transformers (not with --from-trace); 4x of native's peak is 6.71 GiB (3x:
+8.94).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -75,6 +78,53 @@ def overlapping(calls: list[dict], start: float, end: float) -> dict | None:
         if overlaps and (best is None or call["dur"] > best["dur"]):
             best = call
     return best
+
+
+def copying_operators(events: list[dict], host_calls: list[dict], first: float, show: int) -> None:
+    """The operators under which the session queued copies (its page-outs, page-ins and
+    prefetches run inside the dispatch mode's handling of the operator that needs them): how
+    many did, and the ones whose handling took the host longest."""
+    modes = sorted(
+        (e for e in events if e.get("cat") == "cpu_op" and e["name"] == "PythonDispatchMode"),
+        key=lambda e: e["ts"],
+    )
+    outermost, reach = [], float("-inf")
+    for mode in modes:  # a mode's own operators nest inside it
+        if mode["ts"] >= reach:
+            outermost.append(mode)
+            reach = mode["ts"] + mode["dur"]
+    copies = sorted(c["ts"] for c in host_calls if c["name"] == "cudaMemcpyAsync")
+    rows = []
+    for mode in outermost:
+        count = bisect.bisect(copies, mode["ts"] + mode["dur"]) - bisect.bisect(copies, mode["ts"])
+        if count:
+            rows.append((mode["dur"] / 1e3, count, (mode["ts"] - first) / 1e3))
+    total = sum(row[0] for row in rows)
+    print(
+        f"  operators that queued copies: {len(rows)} of {len(outermost)}, {total:.1f} ms of host "
+        f"time, {sum(row[1] for row in rows)} copies; the longest (host ms, copies, at ms):"
+    )
+    for ms, count, at in sorted(rows, reverse=True)[:show]:
+        print(f"    {ms:6.2f} {count:5d} at {at:7.1f}")
+
+
+def slow_allocations(events: list[dict], host_calls: list[dict], first: float) -> None:
+    """Allocations that took the host over a millisecond: PyTorch's allocator freeing its cache
+    and retrying waits on every event of the blocks freed with record_stream first."""
+    waits = sorted(c["ts"] for c in host_calls if c["name"] in SYNCS)
+    slow = [
+        e
+        for e in events
+        if e.get("cat") == "cpu_op"
+        and e["name"] in ("aten::empty_strided", "aten::empty")
+        and e["dur"] > 1000
+    ]
+    for e in sorted(slow, key=lambda e: -e["dur"])[:5]:
+        inside = bisect.bisect(waits, e["ts"] + e["dur"]) - bisect.bisect(waits, e["ts"])
+        print(
+            f"  slow allocation: {e['name']} {e['dur'] / 1e3:.1f} ms at "
+            f"{(e['ts'] - first) / 1e3:.1f} ms, {inside} synchronizing calls inside"
+        )
 
 
 def analyse(events: list[dict], gap_us: float, show: int) -> None:
@@ -134,6 +184,8 @@ def analyse(events: list[dict], gap_us: float, show: int) -> None:
     print(f"  the {show} largest gaps (ms, at ms into the step, cause, the work after it):")
     for ms, start, cause, name in sorted(gaps, reverse=True)[:show]:
         print(f"    {ms:6.2f} at {(start - first) / 1e3:7.1f}  {cause:<32} {name}")
+    copying_operators(events, host_calls, first, show)
+    slow_allocations(events, host_calls, first)
     calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for c in host_calls:
         calls[c["name"]][0] += 1
