@@ -323,6 +323,36 @@ def test_an_unknown_placement_is_refused():
         tus.lms_session(10**9, [model], [optimizer], device="cpu", optimizer_state="disk")
 
 
+def test_prefetches_that_find_no_room_stay_out_with_their_bytes(monkeypatch):
+    # A plan's prefetches take their memory one after another; when one finds none, it and the
+    # rest of the batch stay out, bytes on the host, and come in later on demand.
+    session = tus.lms_session(10**9, device="cpu", budget=10**8, min_bytes=SMALL)
+    tensors = [torch.full((4096,), float(i)) for i in range(3)]
+    session.add(*tensors)
+    blocks = [t.untyped_storage()._cdata for t in tensors]
+    session._page_out_all(session._planner.evict_all([]))
+    real = torch.UntypedStorage.resize_
+    grows = []
+
+    def resize(storage, size):
+        if size > 0:
+            grows.append(size)
+            if len(grows) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 KiB")
+        return real(storage, size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", resize)
+    session._prefetch_all(session._planner.bring_all_in())
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", real)
+    resident = [t.untyped_storage().nbytes() > 0 for t in tensors]
+    assert resident.count(True) == 1
+    assert [session._planner.is_out(b) for b in blocks] == [not r for r in resident]
+    assert session.stats()["prefetch_failed"] == 2
+    session.fetch_all()
+    assert all(torch.equal(t, torch.full((4096,), float(i))) for i, t in enumerate(tensors))
+    session.close()
+
+
 def test_a_victim_whose_bytes_are_already_on_the_host_keeps_them():
     # On the GPU a page-in that ran out of memory made room by choosing, as its victim, a block
     # the same plan was about to prefetch: its storage was empty, its bytes on the host, and the
