@@ -17,10 +17,16 @@ import torch
 
 
 def in_fixed_segments(storages: list[torch.UntypedStorage], device: torch.device) -> list[int]:
-    """Indices of the storages whose memory lies in a segment that is not expandable."""
+    """Indices of the storages whose memory lies in a segment that is not expandable; none
+    when PyTorch's allocator cannot say (another backend, such as cudaMallocAsync or a pluggable
+    allocator, has no segments to snapshot)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:
+        return []
     ranges = sorted(
         (segment["address"], segment["address"] + segment["total_size"])
-        for segment in torch.cuda.memory_snapshot()
+        for segment in segments
         if segment.get("device") == device.index and not segment.get("is_expandable", False)
     )
     starts = [start for start, _ in ranges]

@@ -51,3 +51,13 @@ def test_a_snapshot_without_the_expandable_key_counts_segments_as_fixed(monkeypa
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     storages = [FakeStorage(101 * MiB, MiB)]
     assert segment_move.in_fixed_segments(storages, torch.device("cuda", 0)) == [0]
+
+
+def test_an_allocator_without_segments_moves_nothing(monkeypatch):
+    # PyTorch's cudaMallocAsync backend and pluggable allocators refuse to snapshot.
+    def refuse():
+        raise RuntimeError("snapshot is not supported by this allocator backend")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", refuse)
+    storages = [FakeStorage(101 * MiB, MiB)]
+    assert segment_move.in_fixed_segments(storages, torch.device("cuda", 0)) == []
