@@ -97,8 +97,11 @@ Note [Storages made before the session]
     empties), new memory taken, copied back. The copy aside is one device buffer (host memory
     when the device has no room for it), so for that moment PyTorch holds up to twice the
     moved bytes, before the limit is set: 9.09 GiB against a limit of 6.71 GiB for that run
-    on an H200. The storages' tensors and views follow as they do when paging. Storages that cannot
-    get device memory back (the device filled up meanwhile) start paged out.
+    on an H200. The storages' tensors and views follow as they do when paging, so their
+    addresses change at open even if nothing ever pages: the rule of Note [What the session
+    relocates] holds from the open on (no CUDA graph captured before it may replay them).
+    Storages that cannot get device memory back (the device filled up meanwhile) start paged
+    out.
 
 Note [Optimizer state on the host]
     With ``optimizer_state="host"`` the state each optimizer creates (Adam's moments) is moved,
