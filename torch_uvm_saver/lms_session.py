@@ -757,12 +757,10 @@ class LmsSession:
     def _page_out_one(self, block: int, stream: torch.cuda.Stream | None) -> bool:
         """Pages one block out (its copy queued on `stream`, the current one, when on a GPU);
         whether it copied anything."""
-        entry = self._entries.get(block)  # a saved tensor's release may have dropped it since
-        storage = entry.storage() if entry is not None else None
-        if storage is None:  # died since: nothing to move
-            if entry is not None:
-                self._drop(block)
+        live = self._live(block)
+        if live is None:  # died since: nothing to move
             return False
+        entry, storage = live
         if storage.nbytes() == 0 and entry.host is not None:
             # Its bytes are on the host already: a prefetch the plan named but that has not run
             # yet (making room for a page-in before it chose it as a victim) is given up.
@@ -813,14 +811,23 @@ class LmsSession:
                 if attempt == OOM_RETRIES or not self._make_room(error, attempt, ids):
                     raise OutOfMemoryError(self._no_room(error, ids)) from error
 
-    def _page_in(self, block: int) -> None:
-        """Pages one block in on the current stream: the operator about to run reads it."""
+    def _live(self, block: int) -> tuple[_Entry, torch.UntypedStorage] | None:
+        """The block's entry and storage, or None: the entry went (a saved tensor's release may
+        have dropped it since the plan) or its storage died (the entry is dropped then)."""
         entry = self._entries.get(block)
         storage = entry.storage() if entry is not None else None
         if storage is None:
             if entry is not None:
                 self._drop(block)
+            return None
+        return entry, storage
+
+    def _page_in(self, block: int) -> None:
+        """Pages one block in on the current stream: the operator about to run reads it."""
+        live = self._live(block)
+        if live is None:
             return
+        entry, storage = live
         storage.resize_(entry.nbytes)  # a fresh block, on the current stream, wherever it fits
         device_bytes = _byte_view(storage)
         if self._cuda:
@@ -842,12 +849,10 @@ class LmsSession:
         for index, block in enumerate(blocks):
             if self._planner.is_out(block):
                 continue  # a victim of making room for a page-in before it: it stays out
-            entry = self._entries.get(block)
-            storage = entry.storage() if entry is not None else None
-            if storage is None:
-                if entry is not None:
-                    self._drop(block)
+            live = self._live(block)
+            if live is None:
                 continue
+            entry, storage = live
             try:
                 storage.resize_(entry.nbytes)
             except torch.OutOfMemoryError:
