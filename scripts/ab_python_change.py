@@ -7,6 +7,10 @@ compares one number the command prints. Built for the lent GPU, where processes 
         --pick 'median of steps [0-9-]+ ([0-9.]+) ms' -- \\
         python scripts/lms_session_open_order.py fresh --limit-gib 6.71
 
+--base is a revision, or a folder holding the base's torch_uvm_saver/, allocator/ and bindings/
+(made with `git archive REV torch_uvm_saver allocator bindings | tar -x -C DIR`) for a machine the
+repository's history does not travel to, such as the lent GPU.
+
 Only files under torch_uvm_saver/ ending in .py are swapped (a file the base lacks stays: the
 base's code does not import it); a change to the native core needs a rebuild per side, so a
 difference under allocator/ or bindings/ is refused. The working tree is restored afterwards,
@@ -36,12 +40,40 @@ def git(*args: str) -> str:
     ).stdout
 
 
+def tree_files(root: Path, top: str) -> set[str]:
+    return {
+        str(path.relative_to(root))
+        for path in (root / top).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".so"
+    }
+
+
+def changed_against_folder(base: Path) -> list[str]:
+    changed = []
+    for top in (PACKAGE, *NATIVE):
+        for path in sorted(tree_files(ROOT, top) | tree_files(base, top)):
+            ours, theirs = ROOT / path, base / path
+            if not (ours.is_file() and theirs.is_file()) or ours.read_bytes() != theirs.read_bytes():
+                changed.append(path)
+    return changed
+
+
+def base_text(base: str, path: str) -> str:
+    if Path(base).is_dir():
+        return (Path(base) / path).read_text()
+    return git("show", f"{base}:{path}")
+
+
 def changed_python_files(base: str) -> list[str]:
-    changed = git("diff", "--name-only", base, "--", PACKAGE, *NATIVE).split()
+    if Path(base).is_dir():
+        changed = changed_against_folder(Path(base))
+        in_base = tree_files(Path(base), PACKAGE)
+    else:
+        changed = git("diff", "--name-only", base, "--", PACKAGE, *NATIVE).split()
+        in_base = set(git("ls-tree", "-r", "--name-only", base, "--", PACKAGE).split())
     native = [path for path in changed if path.split("/")[0] in NATIVE]
     if native:
         raise SystemExit(f"the native core differs from {base} (rebuild per side): {native}")
-    in_base = set(git("ls-tree", "-r", "--name-only", base, "--", PACKAGE).split())
     return [path for path in changed if path.endswith(".py") and path in in_base]
 
 
@@ -58,7 +90,9 @@ def run(command: list[str], pick: re.Pattern[str], side: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="the revision to compare against")
+    parser.add_argument(
+        "--base", required=True, help="the revision, or a folder holding its tree, to compare against"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pick", required=True, help="regex; its first group is the number")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
@@ -79,7 +113,7 @@ def main() -> None:
             for side in ("base", "new") if round_ % 2 == 0 else ("new", "base"):
                 for path in files:
                     if side == "base":
-                        (ROOT / path).write_text(git("show", f"{args.base}:{path}"))
+                        (ROOT / path).write_text(base_text(args.base, path))
                     else:
                         shutil.copy2(keep / path, ROOT / path)
                 value = run(command, pick, side)
