@@ -53,7 +53,8 @@ def changed_against_folder(base: Path) -> list[str]:
     for top in (PACKAGE, *NATIVE):
         for path in sorted(tree_files(ROOT, top) | tree_files(base, top)):
             ours, theirs = ROOT / path, base / path
-            if not (ours.is_file() and theirs.is_file()) or ours.read_bytes() != theirs.read_bytes():
+            same = ours.is_file() and theirs.is_file() and ours.read_bytes() == theirs.read_bytes()
+            if not same:
                 changed.append(path)
     return changed
 
@@ -91,7 +92,7 @@ def run(command: list[str], pick: re.Pattern[str], side: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--base", required=True, help="the revision, or a folder holding its tree, to compare against"
+        "--base", required=True, help="the revision (or a folder holding its tree) to compare with"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pick", required=True, help="regex; its first group is the number")

@@ -1,0 +1,109 @@
+"""The parts of the developer scripts under scripts/ that decide what a measurement says: the
+replay that names why PyTorch's allocator retried (lms_allocator_retries.py) and which files an
+A/B swaps (ab_python_change.py). Both run here without a GPU."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ab_python_change  # noqa: E402
+import lms_allocator_retries  # noqa: E402
+
+GiB = 1 << 30
+KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
+
+
+def snapshot(trace: list[tuple[str, int, int]], reserved: int = 10 * GiB) -> dict:
+    """Starts with `reserved` bytes in one segment, 6 GiB of it allocated at address 0."""
+    blocks = [
+        {"state": "active_allocated", "size": 6 * GiB, "address": 0},
+        {"state": "inactive", "size": reserved - 6 * GiB, "address": 6 * GiB},
+    ]
+    return {
+        "start": {"segments": [{"device": 0, "total_size": reserved, "blocks": blocks}]},
+        "trace": [{"action": a, "size": size, "addr": addr} for a, size, addr in trace],
+        "fraction_bytes": 12 * GiB,
+    }
+
+
+def test_a_retry_is_the_state_before_its_waits_and_unmaps():
+    retries = lms_allocator_retries.replay(
+        snapshot(
+            [
+                ("free_requested", 2 * GiB, 0),  # a page-out's block, pending on its copy
+                ("free_completed", 2 * GiB, 0),  # the retry waits for it
+                ("segment_unmap", 4 * GiB, 6 * GiB),  # and gives back what is cached
+                ("segment_map", 5 * GiB, 6 * GiB),
+                ("alloc", 5 * GiB, 6 * GiB),
+            ]
+        )
+    )
+    assert retries == [
+        {
+            "allocated": 6 * GiB,
+            "pending": 2 * GiB,
+            "reserved": 10 * GiB,
+            "released": 4 * GiB,
+            "waited": 2 * GiB,
+            "unmapped": True,
+            "request": 5 * GiB,
+        }
+    ]
+
+
+def test_reusing_a_completed_free_is_not_a_retry():
+    retries = lms_allocator_retries.replay(
+        snapshot(
+            [
+                ("free_requested", 2 * GiB, 0),
+                ("free_completed", 2 * GiB, 0),  # its event passed: back in the pool
+                ("alloc", 1 * GiB, 0),
+            ]
+        )
+    )
+    assert retries == []
+
+
+def test_the_kept_h100_step_retries_three_times_all_with_memory_free_in_pieces(capsys):
+    import gzip
+    import json
+
+    with gzip.open(KEPT, "rt") as f:
+        kept = json.load(f)
+    retries = lms_allocator_retries.replay(kept)
+    assert [round(r["request"] / GiB, 3) for r in retries] == [0.767, 1.534, 0.125]
+    assert all(r["reserved"] - r["allocated"] >= r["request"] for r in retries)
+    lms_allocator_retries.report(kept)
+    assert capsys.readouterr().out.count("fragmentation: free in pieces") == 3
+
+
+@pytest.fixture
+def base_tree(tmp_path):
+    """A copy of the package and the native sources as they are: the base of an A/B."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    for top in (ab_python_change.PACKAGE, *ab_python_change.NATIVE):
+        shutil.copytree(ROOT / top, tmp_path / top, ignore=ignore)
+    return tmp_path
+
+
+def test_an_ab_against_a_folder_swaps_the_python_files_that_differ(base_tree):
+    assert ab_python_change.changed_python_files(str(base_tree)) == []
+    changed = base_tree / ab_python_change.PACKAGE / "lms_session.py"
+    changed.write_text(changed.read_text() + "\n# the base differs\n")
+    assert ab_python_change.changed_python_files(str(base_tree)) == [
+        "torch_uvm_saver/lms_session.py"
+    ]
+
+
+def test_an_ab_against_a_folder_refuses_a_native_difference(base_tree):
+    source = next((base_tree / "allocator").rglob("*.cpp"))
+    source.write_text(source.read_text() + "\n// the base differs\n")
+    with pytest.raises(SystemExit, match="native core differs"):
+        ab_python_change.changed_python_files(str(base_tree))
