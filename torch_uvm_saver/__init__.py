@@ -87,6 +87,7 @@ from .residency import (
 from .sharing import Attachment, Share, attach, share
 from .snapshots import drop_snapshot, list_snapshots, restore, snapshot
 from .stats import memory_stats, memory_summary, reset_peak_memory_stats, stat_docs
+from .step_in_backward import StepInBackward, step_in_backward
 from .tms_compat import torch_memory_saver
 
 __version__ = "0.2.0"
@@ -100,6 +101,7 @@ __all__ = [
     "OutOfMemoryError",
     "ParameterPins",
     "Share",
+    "StepInBackward",
     "TusError",
     "advise",
     "attach",
@@ -161,6 +163,7 @@ __all__ = [
     "share",
     "snapshot",
     "stat_docs",
+    "step_in_backward",
     "suggest_placement",
     "to",
     "torch_memory_saver",

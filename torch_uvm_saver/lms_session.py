@@ -75,6 +75,14 @@ Note [Clean page-outs]
     long as it lives. Writes the session cannot see (outside the block, in a quiet iteration)
     make every copy stale when the next watched iteration begins.
 
+Note [Other streams]
+    An operator may read managed storages on a stream other than the one the session pages on
+    (a side stream of the user's, the optimizer's steps of step_in_backward). A page-out frees
+    its block while such a stream may still have queued work on it, so it is ordered after
+    every stream that ran an operator reading a managed storage, not only the current one: its
+    copy waits for them, and a page-out that copies nothing marks the block in use on them
+    (record_stream), so PyTorch's allocator hands it out only once they are past it.
+
 Note [Expandable segments]
     Paging under a limit frees and takes blocks of every size all the time. PyTorch's allocator
     by default carves blocks out of fixed segments, and a large request (a loss's logits) can
@@ -741,12 +749,16 @@ class LmsSession:
                 self._page_out_one(block, None)
             return
         stream = self._out_stream
-        stream.wait_stream(self._current_stream())
+        current = self._current_stream()
+        stream.wait_stream(current)
+        others = self._other_streams(current)
+        for other in others:  # Note [Other streams]
+            stream.wait_stream(other)
         copied: list[_Entry] = []
         try:
             with torch.cuda.stream(stream):
                 for block in blocks:
-                    if self._page_out_one(block, stream):
+                    if self._page_out_one(block, stream, others):
                         copied.append(self._entries[block])
         finally:
             if copied:
@@ -754,7 +766,9 @@ class LmsSession:
                 for entry in copied:
                     entry.out_event = event
 
-    def _page_out_one(self, block: int, stream: torch.cuda.Stream | None) -> bool:
+    def _page_out_one(
+        self, block: int, stream: torch.cuda.Stream | None, others: tuple = ()
+    ) -> bool:
         """Pages one block out (its copy queued on `stream`, the current one, when on a GPU);
         whether it copied anything."""
         live = self._live(block)
@@ -778,6 +792,11 @@ class LmsSession:
             self._landing.pop(block, None)
             self._clean_pageouts += 1
             self._clean_pageout_bytes += entry.nbytes
+            if others:  # Note [Other streams]: reused only once they are past it
+                device_bytes = _byte_view(storage)
+                for other in others:
+                    device_bytes.record_stream(other)
+                del device_bytes
             storage.resize_(0)
             self._out.add(block)
             return False
@@ -945,6 +964,13 @@ class LmsSession:
         if stream is None:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
         return stream
+
+    def _other_streams(self, current: torch.cuda.Stream) -> tuple:
+        """Note [Other streams]: the streams besides `current` that ran an operator reading a
+        managed storage."""
+        if len(self._streams) < 2:
+            return ()
+        return tuple(s for s in self._streams.values() if s != current)
 
     def _moves(self) -> int:
         counters = self._planner.counters()

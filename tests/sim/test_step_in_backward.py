@@ -1,0 +1,108 @@
+"""tus.step_in_backward: each parameter group steps during the backward, as soon as its gradients
+are complete, and the training is bit for bit the one that steps after the backward (on the CPU
+here, where there is no side stream; tests/gpu/lms_session_scenarios.py runs it on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_uvm_saver as tus
+from torch_uvm_saver import errors
+
+
+def make_model(unused_layer: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    unused = torch.nn.Linear(16, 16) if unused_layer else None
+    groups = [{"params": list(layer.parameters())} for layer in model]
+    if unused is not None:
+        groups.append({"params": list(unused.parameters())})
+    return model, torch.optim.AdamW(groups, lr=1e-2)
+
+
+def train(model, optimizer, steps: int = 3, after_backward=None) -> list[float]:
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def parameters(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_groups_step_during_the_backward_and_train_bit_for_bit():
+    model, optimizer = make_model()
+    expected_losses = train(model, optimizer)
+    expected = parameters(model)
+
+    model, optimizer = make_model()
+    overlap = tus.step_in_backward(optimizer)
+    seen = []
+
+    def after_backward():
+        seen.append((overlap.groups_stepped, parameters(model)))
+
+    losses = train(model, optimizer, after_backward=after_backward)
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(parameters(model), expected))
+    # Every group stepped in the backward: the parameters had changed before step() ran.
+    assert [count for count, _ in seen] == [4, 4, 4]
+    assert not torch.equal(seen[0][1][0], seen[1][1][0])
+    overlap.remove()
+
+
+def test_a_group_the_backward_does_not_complete_steps_in_step():
+    model, optimizer = make_model(unused_layer=True)
+    expected_losses = train(model, optimizer)
+    expected = parameters(model)
+
+    model, optimizer = make_model(unused_layer=True)
+    overlap = tus.step_in_backward(optimizer)
+    counts = []
+    losses = train(model, optimizer, after_backward=lambda: counts.append(overlap.groups_stepped))
+    assert counts == [4, 4, 4]  # the fifth group's parameters never get a gradient
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(parameters(model), expected))
+    assert len(optimizer.param_groups) == 5  # the optimizer's own groups are back after step()
+
+
+def test_a_second_backward_before_step_is_refused():
+    model, optimizer = make_model()
+    tus.step_in_backward(optimizer)
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    with pytest.raises(errors.InvalidStateError, match="gradient accumulation"):
+        model(x).sum().backward()
+
+
+def test_remove_goes_back_to_stepping_after_the_backward():
+    model, optimizer = make_model()
+    overlap = tus.step_in_backward(optimizer)
+    overlap.remove()
+    before = parameters(model)
+    model(torch.randn(8, 16)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(parameters(model), before))
+    assert overlap.groups_stepped == 0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        tus.step_in_backward(object())
+    _, optimizer = make_model()
+    with pytest.raises(errors.InvalidArgumentError, match="needs parameters on a GPU"):
+        tus.step_in_backward(optimizer, stream=object())
+    mixed = torch.optim.SGD(
+        [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, device="meta"))]
+    )
+    with pytest.raises(errors.InvalidArgumentError, match="several devices"):
+        tus.step_in_backward(mixed)

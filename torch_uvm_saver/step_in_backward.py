@@ -1,0 +1,166 @@
+"""Optimizer steps that run during the backward, a parameter group at a time.
+
+    overlap = tus.step_in_backward(optimizer)
+    for batch in data:
+        loss = model(batch).loss
+        loss.backward()          # each group steps once its gradients are complete
+        optimizer.step()         # steps the groups backward did not complete, then waits
+        optimizer.zero_grad(set_to_none=True)
+    overlap.remove()
+
+Note [Stepping in the backward]
+    The optimizer's step reads and writes every parameter, gradient and state tensor once. With
+    the state on the host (lms_session's ``optimizer_state="host"``) that traffic crosses the
+    link, and a step that starts after the backward adds its whole time to the iteration. A
+    parameter group's step needs only that group's gradients, and the backward completes the
+    last layers' first, so each group can step as soon as its own gradients are accumulated
+    (``register_post_accumulate_grad_hook``), on a side stream, while the backward computes the
+    earlier layers' gradients on the compute stream: the link and the compute overlap.
+
+    The side stream waits for everything queued on the compute stream when the group completes,
+    so the step reads the finished gradients and overwrites no parameter a queued kernel still
+    reads (the backward reads a parameter only before its gradient is complete). The user's own
+    ``optimizer.step()`` then steps only the groups the backward did not complete (a parameter
+    that got no gradient) and makes the compute stream wait for the side stream, so the next
+    forward reads the updated parameters. Each group steps through the optimizer's own ``step``
+    with ``param_groups`` narrowed to it, so the arithmetic is the optimizer's: training is bit
+    for bit the same as stepping after the backward.
+
+    What it does not allow: more than one backward between steps (gradient accumulation: the
+    first backward would step on partial gradients; the second raises InvalidStateError), and
+    anything done to the gradients between ``backward()`` and ``step()`` (clipping, unscaling
+    by a GradScaler): the groups have stepped by then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgumentError, InvalidStateError
+
+__all__ = ["StepInBackward", "step_in_backward"]
+
+
+def step_in_backward(
+    optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None = None
+) -> StepInBackward:
+    """Makes ``optimizer`` step each parameter group during the backward, as soon as the group's
+    gradients are complete, on ``stream`` (default: a new stream on the parameters' device) while
+    the backward goes on (Note [Stepping in the backward]). ``remove()`` undoes it."""
+    return StepInBackward(optimizer, stream)
+
+
+class StepInBackward:
+    """See step_in_backward."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "step_in_backward: expected a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self._groups = optimizer.param_groups  # the optimizer's own list, restored after steps
+        self._group_of: dict[int, int] = {}  # id(parameter) -> its group
+        parameters = []
+        for index, group in enumerate(self._groups):
+            for parameter in group["params"]:
+                if parameter.requires_grad:
+                    self._group_of[id(parameter)] = index
+                    parameters.append(parameter)
+        devices = {parameter.device for parameter in parameters}
+        if len(devices) > 1:
+            names = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"step_in_backward: the parameters lie on several devices ({names})"
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        if self.device.type == "cuda":
+            self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        elif stream is not None:
+            raise InvalidArgumentError("step_in_backward: a stream needs parameters on a GPU")
+        else:
+            self.stream = None
+        self._waiting: dict[int, int] = {}  # group -> parameters whose gradients are to come
+        self._stepped: set[int] = set()  # groups stepped since the user's last step
+        self._narrowed = False  # inside a step this object started
+        self._handles = [
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+            for parameter in parameters
+        ]
+        self._handles.append(optimizer.register_step_pre_hook(self._user_step_starts))
+        self._handles.append(optimizer.register_step_post_hook(self._user_step_ends))
+
+    @property
+    def groups_stepped(self) -> int:
+        """How many parameter groups stepped in the backward since the last ``step()``."""
+        return len(self._stepped)
+
+    def remove(self) -> None:
+        """Back to stepping after the backward; waits for a step still running."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._catch_up()
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        group = self._group_of[id(parameter)]
+        if group in self._stepped:
+            raise InvalidStateError(
+                "step_in_backward: a second backward before optimizer.step() (gradient "
+                "accumulation); its groups stepped on the first backward's gradients already"
+            )
+        left = self._waiting.get(group)
+        if left is None:
+            left = sum(p.requires_grad for p in self._groups[group]["params"])
+        left -= 1
+        self._waiting[group] = left
+        if left == 0:
+            del self._waiting[group]
+            self._step_group(group)
+
+    def _step_group(self, group: int) -> None:
+        if self.stream is None:
+            self._step_only([self._groups[group]])
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self._step_only([self._groups[group]])
+        self._stepped.add(group)
+
+    def _step_only(self, groups: list[dict[str, Any]]) -> None:
+        optimizer = self.optimizer
+        optimizer.param_groups = groups
+        self._narrowed = True
+        try:
+            optimizer.step()
+        finally:
+            optimizer.param_groups = self._groups
+            self._narrowed = False
+
+    def _user_step_starts(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self._narrowed:
+            return
+        # The user's step: only the groups the backward did not complete.
+        optimizer.param_groups = [
+            group for index, group in enumerate(self._groups) if index not in self._stepped
+        ]
+        self._catch_up()
+
+    def _user_step_ends(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self._narrowed:
+            return
+        optimizer.param_groups = self._groups
+        self._stepped.clear()
+        self._waiting.clear()
+
+    def _catch_up(self) -> None:
+        """The compute stream waits for the steps queued on the side stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
