@@ -26,6 +26,8 @@ initializes, and no column's state may leak into the next):
                      fit under the limit); session.close() after the last step
   lms-v2-ckpt        the same + the gradient checkpointing of `checkpointing`
   lms-v2-host        lms-v2-ckpt + optimizer_state="host" (Adam's moments read in place on the host)
+  lms-v2-overlap     lms-v2-host + tus.step_in_backward(optimizer): each parameter group steps on
+                     a side stream as soon as the backward completes its gradients
   checkpointing      PyTorch's allocator, model.gradient_checkpointing_enable(
                      gradient_checkpointing_kwargs={"use_reentrant": False}) (fused AdamW)
   ckpt-save-on-cpu   checkpointing + torch.autograd.graph.save_on_cpu(pin_memory=True) around
@@ -72,13 +74,13 @@ to the last step.
 Ideal (oversub_report.ASSUMPTIONS): a column's ideal step at (regime, R) is max(the fastest
 unconstrained configuration that its technique allows, bytes that must move / duplex link bandwidth
 measured in the same run). The unconstrained reference is the checkpointing column's run for
-lms-v2-ckpt, lms-v2-host, checkpointing and ckpt-save-on-cpu, native's for the others; the bytes
-that must move are out = in = max(0, reference peak - limit) a step (2 x that in all), and as out
-and in overlap the link time is max(out / d2h, in / h2d), with the pinned copy_ bandwidth of each
-direction measured alone (--bandwidth-gib each way, median of 5). The bandwidth child also times
-both directions at once, to show how far the overlap holds. The earlier ideal, max(native step, 2 x
-(peak - limit) / the harmonic mean of h2d and d2h: no overlap), is kept in the JSON and the report
-as the "half-duplex ideal"; the targets do not use it.
+lms-v2-ckpt, lms-v2-host, lms-v2-overlap, checkpointing and ckpt-save-on-cpu, native's for the
+others; the bytes that must move are out = in = max(0, reference peak - limit) a step (2 x that in
+all), and as out and in overlap the link time is max(out / d2h, in / h2d), with the pinned copy_
+bandwidth of each direction measured alone (--bandwidth-gib each way, median of 5). The bandwidth
+child also times both directions at once, to show how far the overlap holds. The earlier ideal,
+max(native step, 2 x (peak - limit) / the harmonic mean of h2d and d2h: no overlap), is kept in the
+JSON and the report as the "half-duplex ideal"; the targets do not use it.
 
 Targets (the oversubscription issue), judged on the fastest lms-v2 column whose peak
 fits (the faster that ran when neither fits), named in the report:

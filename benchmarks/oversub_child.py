@@ -48,6 +48,7 @@ __all__ = [
     "LMS_V2",
     "LMS_V2_CKPT",
     "LMS_V2_HOST",
+    "LMS_V2_OVERLAP",
     "MANAGED_COLUMNS",
     "MARK",
     "NATIVE",
@@ -91,7 +92,9 @@ NATIVE = "native"
 LMS_V2 = "lms-v2"  # tus.lms_session on PyTorch's allocator
 LMS_V2_CKPT = "lms-v2-ckpt"  # the same + gradient checkpointing
 LMS_V2_HOST = "lms-v2-host"  # lms-v2-ckpt + the optimizer state on the host, read in place
-V2_COLUMNS = (LMS_V2, LMS_V2_CKPT, LMS_V2_HOST)
+LMS_V2_OVERLAP = "lms-v2-overlap"  # lms-v2-host + each group's step during the backward
+V2_COLUMNS = (LMS_V2, LMS_V2_CKPT, LMS_V2_HOST, LMS_V2_OVERLAP)
+HOST_STATE_COLUMNS = (LMS_V2_HOST, LMS_V2_OVERLAP)
 LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")  # the global LMS hook
 BUDGET = "managed-budget"
 LIMITED = (*V2_COLUMNS, *LMS_COLUMNS, BUDGET)  # run once per ratio, under its limit
@@ -100,13 +103,15 @@ CKPT_SAVE_ON_CPU = "ckpt-save-on-cpu"
 SAVE_ON_CPU = "save-on-cpu"
 FSDP = "fsdp2-cpu-offload"
 PEERS = (CKPT, CKPT_SAVE_ON_CPU, SAVE_ON_CPU, FSDP)  # no limit: once per regime
-CKPT_COLUMNS = (LMS_V2_CKPT, LMS_V2_HOST, CKPT, CKPT_SAVE_ON_CPU)  # gradient_checkpointing_enable
+# gradient_checkpointing_enable
+CKPT_COLUMNS = (LMS_V2_CKPT, LMS_V2_HOST, LMS_V2_OVERLAP, CKPT, CKPT_SAVE_ON_CPU)
 # The order of the table and of the runs: what the targets need first.
 COLUMNS = (
     NATIVE,
     LMS_V2,
     LMS_V2_CKPT,
     LMS_V2_HOST,
+    LMS_V2_OVERLAP,
     CKPT,
     CKPT_SAVE_ON_CPU,
     "lms-vmm",
@@ -137,6 +142,7 @@ DESCRIPTIONS = {
     LMS_V2: "tus.lms_session, defaults",
     LMS_V2_CKPT: "tus.lms_session + gradient checkpointing",
     LMS_V2_HOST: "tus.lms_session + gradient checkpointing, optimizer_state='host'",
+    LMS_V2_OVERLAP: "lms-v2-host + tus.step_in_backward(optimizer)",
     CKPT: "gradient checkpointing (non-reentrant)",
     CKPT_SAVE_ON_CPU: "gradient checkpointing + save_on_cpu",
     "lms-vmm": "LMS, VMM, speculation + prefetch",
@@ -703,8 +709,11 @@ def train(column: str, args, result: dict) -> None:
     if lms is not None:
         # Last in the setup: it sees the model and the optimizer (whose state AdamW creates in
         # the first step, inside the session).
-        placement = {"optimizer_state": "host"} if column == LMS_V2_HOST else {}
+        placement = {"optimizer_state": "host"} if column in HOST_STATE_COLUMNS else {}
         session = lms.lms_session(limit, modules=[model], optimizers=[optimizer], **placement)
+        if column == LMS_V2_OVERLAP:
+            # Held until the process ends: the hooks stay on the optimizer and its parameters.
+            result["step_in_backward"] = lms.step_in_backward(optimizer) is not None
         result["session"] = {
             "limit_bytes": limit,
             "torch_uvm_saver": getattr(lms, "__version__", None),

@@ -82,7 +82,8 @@ ASSUMPTIONS = {
     "ideal_step_s": "max(reference step, link time): the fastest unconstrained configuration "
     "that the column's technique allows, or the time to move what must move, whichever is longer",
     "reference": "the checkpointing column's run (its step time and its peak) for lms-v2-ckpt, "
-    "lms-v2-host, checkpointing and ckpt-save-on-cpu; the native run for every other column",
+    "lms-v2-host, lms-v2-overlap, checkpointing and ckpt-save-on-cpu; the native run for every "
+    "other column",
     "bytes_that_must_move": "out = in = max(0, reference peak - limit) per step: the excess over "
     "the limit goes out to the host and comes back once every step (2 x that in all)",
     "link_time": "duplex: out and in overlap, so max(out / d2h, in / h2d) with the pinned copy_ "
