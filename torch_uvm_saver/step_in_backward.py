@@ -19,12 +19,15 @@ Note [Stepping in the backward]
 
     The side stream waits for everything queued on the compute stream when the group completes,
     so the step reads the finished gradients and overwrites no parameter a queued kernel still
-    reads (the backward reads a parameter only before its gradient is complete). The user's own
-    ``optimizer.step()`` then steps only the groups the backward did not complete (a parameter
-    that got no gradient) and makes the compute stream wait for the side stream, so the next
-    forward reads the updated parameters. Each group steps through the optimizer's own ``step``
-    with ``param_groups`` narrowed to it, so the arithmetic is the optimizer's: training is bit
-    for bit the same as stepping after the backward.
+    reads (the backward reads a parameter only before its gradient is complete). Each group
+    steps through the optimizer's own ``step`` with ``param_groups`` narrowed to it (restored
+    however the step ends), so the arithmetic is the optimizer's: training is bit for bit the
+    same as stepping after the backward. The user's own ``optimizer.step()`` makes the compute
+    stream wait for the side stream, so the next forward reads the updated parameters, and
+    steps only what the backward did not complete (a parameter that got no gradient): the
+    gradients of the groups that stepped are out of the parameters' ``.grad`` for its duration
+    (optimizers skip a parameter without one) and back after it. If that step raises, they stay
+    out: they were applied already.
 
     What it does not allow: more than one backward between steps (gradient accumulation: the
     first backward would step on partial gradients; the second raises InvalidStateError), and
@@ -88,6 +91,7 @@ class StepInBackward:
         self._waiting: dict[int, int] = {}  # group -> parameters whose gradients are to come
         self._stepped: set[int] = set()  # groups stepped since the user's last step
         self._narrowed = False  # inside a step this object started
+        self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, gradient)
         self._handles = [
             parameter.register_post_accumulate_grad_hook(self._gradient_ready)
             for parameter in parameters
@@ -147,18 +151,23 @@ class StepInBackward:
     def _user_step_starts(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._narrowed:
             return
-        # The user's step: only the groups the backward did not complete.
-        optimizer.param_groups = [
-            group for index, group in enumerate(self._groups) if index not in self._stepped
-        ]
         self._catch_up()
+        # The user's step: only what the backward did not complete.
+        self._set_aside = []
+        for index in self._stepped:
+            for parameter in self._groups[index]["params"]:
+                if parameter.grad is not None:
+                    self._set_aside.append((parameter, parameter.grad))
+                    parameter.grad = None
+        self._stepped.clear()
+        self._waiting.clear()
 
     def _user_step_ends(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._narrowed:
             return
-        optimizer.param_groups = self._groups
-        self._stepped.clear()
-        self._waiting.clear()
+        for parameter, gradient in self._set_aside:
+            parameter.grad = gradient
+        self._set_aside = []
 
     def _catch_up(self) -> None:
         """The compute stream waits for the steps queued on the side stream."""

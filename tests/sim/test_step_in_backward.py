@@ -106,3 +106,32 @@ def test_bad_arguments_are_refused():
     )
     with pytest.raises(errors.InvalidArgumentError, match="several devices"):
         tus.step_in_backward(mixed)
+
+
+def test_the_gradients_are_there_after_step():
+    model, optimizer = make_model()
+    tus.step_in_backward(optimizer)
+    model(torch.randn(8, 16)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_a_step_that_raises_leaves_the_optimizer_whole_and_training_goes_on():
+    model, optimizer = make_model()
+    overlap = tus.step_in_backward(optimizer)
+
+    def fail(*_):
+        raise RuntimeError("the user's hook failed")
+
+    model(torch.randn(8, 16)).sum().backward()
+    handle = optimizer.register_step_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="the user's hook failed"):
+        optimizer.step()
+    handle.remove()
+    assert len(optimizer.param_groups) == 4
+    assert all(len(group["params"]) == 2 for group in optimizer.param_groups)
+    optimizer.zero_grad(set_to_none=True)
+    model(torch.randn(8, 16)).sum().backward()  # no "second backward" error: the step ran
+    assert overlap.groups_stepped == 4
+    optimizer.step()
