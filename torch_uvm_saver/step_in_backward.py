@@ -63,8 +63,8 @@ class StepInBackward:
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                "step_in_backward: expected a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}"
+                "step_in_backward(optimizer): expected a torch.optim.Optimizer, got "
+                f"{optimizer!r} ({type(optimizer).__name__})"
             )
         self.optimizer = optimizer
         self._groups = optimizer.param_groups  # the optimizer's own list, restored after steps
