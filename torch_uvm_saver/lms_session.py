@@ -119,8 +119,12 @@ Note [Optimizer state on the host]
     under the limit. The parameters, gradients and activations stay under the session. That is
     the placement per region of ARCHITECTURE decision 11 for training: state touched once a
     step is read where it lies, what is read several times moves. The step's speed then hangs
-    on the link (a fused optimizer reads and writes each byte once); ``suggest_placement``
-    picks it when the state would take a large share of the limit. Managed memory comes from
+    on the link (a fused optimizer reads and writes each byte once). ``optimizer_state`` may
+    also name parameter groups (the dicts of ``optimizer.param_groups``): only their state goes
+    to the host and the rest is paged with everything else, so the link carries only what does
+    not fit. ``suggest_placement`` names the last groups (a backward completes them first, and
+    with ``step_in_backward`` their steps overlap the most of it) until the parameters, the
+    gradients and the state left on the device take 3/4 of the limit. Managed memory comes from
     the library's managed mode, so its safety rule (no more than the card has free) applies.
 
 Note [Reading a paged-out tensor]
@@ -183,8 +187,9 @@ def lms_session(
     ``expandable_segments``, whether PyTorch's allocator grows its segments in place while the
     session is open (default True: Note [Expandable segments]); ``optimizer_state``, where the
     optimizers' state lives: "device" (default, paged with everything else), "host" (Note
-    [Optimizer state on the host]) or "auto"
-    (``suggest_placement``'s choice).
+    [Optimizer state on the host]), a list of parameter groups (the dicts of the optimizers'
+    ``param_groups``) whose state goes to the host while the rest stays, or "auto"
+    (``suggest_placement``'s choice, assuming gradients are kept).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -300,7 +305,7 @@ class LmsSession:
         min_bytes: int = DEFAULT_MIN_BYTES,
         quiet: bool = True,
         expandable_segments: bool = True,
-        optimizer_state: str = "device",
+        optimizer_state: str | list[dict[str, Any]] = "device",
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -342,19 +347,12 @@ class LmsSession:
         self._closed = False
         self._quiet_allowed = bool(quiet)
         self._expandable = bool(expandable_segments)
-        if optimizer_state == "auto":
+        self._optimizers = list(optimizers)
+        modules = list(modules)
+        if isinstance(optimizer_state, str) and optimizer_state == "auto":
             optimizer_state = suggest_placement(modules, self._optimizers, limit)["optimizer_state"]
-        if not isinstance(optimizer_state, str):
-            raise TypeError(
-                f"lms_session(optimizer_state): expected a string, got {optimizer_state!r} "
-                f"({type(optimizer_state).__name__})"
-            )
-        if optimizer_state not in PLACEMENTS:
-            raise InvalidArgumentError(
-                f"lms_session: optimizer_state must be one of {', '.join(PLACEMENTS)} or 'auto', "
-                f"got {optimizer_state!r}"
-            )
         self.optimizer_state = optimizer_state
+        self._host_groups = self._host_groups_of(optimizer_state)
         self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
@@ -364,8 +362,6 @@ class LmsSession:
         self._placed_bytes = 0
         self._context: list[Any] = []
         self._handles: list[Any] = []
-        self._optimizers = list(optimizers)
-        modules = list(modules)
         self._oom_retries = 0
         self._clean_pageouts = 0
         self._clean_pageout_bytes = 0
@@ -519,6 +515,33 @@ class LmsSession:
 
     # -- registration ------------------------------------------------------------------------
 
+    def _host_groups_of(self, placement: object) -> list[dict[str, Any]]:
+        """The parameter groups whose optimizer state lives on the host (Note [Optimizer state
+        on the host]): none, all of them, or the groups named."""
+        if isinstance(placement, str):
+            if placement not in PLACEMENTS:
+                raise InvalidArgumentError(
+                    f"lms_session: optimizer_state must be one of {', '.join(PLACEMENTS)}, "
+                    f"'auto' or a list of parameter groups, got {placement!r}"
+                )
+            if placement == "device":
+                return []
+            return [group for optimizer in self._optimizers for group in optimizer.param_groups]
+        if not isinstance(placement, (list, tuple)):
+            raise TypeError(
+                f"lms_session(optimizer_state): expected a string or a list of parameter groups, "
+                f"got {placement!r} ({type(placement).__name__})"
+            )
+        known = {id(g) for optimizer in self._optimizers for g in optimizer.param_groups}
+        for group in placement:
+            if id(group) not in known:
+                raise InvalidArgumentError(
+                    "lms_session: optimizer_state names a parameter group that is not one of the "
+                    "session's optimizers' param_groups (pass the dicts themselves, "
+                    f"optimizer.param_groups[i]): got {_describe_group(group)}"
+                )
+        return list(placement)
+
     def _eligible(self, t: torch.Tensor) -> str | None:
         """Why `t`'s storage cannot be managed, or None."""
         if t.device != self.device:
@@ -608,7 +631,7 @@ class LmsSession:
                 self._add(t, persistent=False, what="optimizer output")
 
     def _adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.optimizer_state == "host":
+        if self._host_groups:
             self._place_on_host(optimizer)
         for state in optimizer.state.values():
             for value in state.values():
@@ -627,7 +650,10 @@ class LmsSession:
         prefers the host and stays mapped on the device, out of the session's hands."""
         from .managed import advise, is_managed, manage_memory, prefetch
 
-        for state in optimizer.state.values():
+        on_host = {id(p) for group in self._host_groups for p in group["params"]}
+        for parameter, state in optimizer.state.items():
+            if id(parameter) not in on_host:
+                continue
             for key, value in state.items():
                 if (
                     not isinstance(value, torch.Tensor)
@@ -1040,38 +1066,71 @@ class _Busy:
 
 
 PLACEMENTS = ("device", "host")
-# State on the host once it would take more than half the limit. Measured on an H200 (README,
-# "LMS v2"): GPT-2 medium's AdamW state at 0.30 and 0.39 of the limit (3x, 4x) trained faster
-# paged with the rest (0.205 against 0.225 s, 0.308 against 0.317 s); GPT-2 XL's at 0.70 and
-# 1.05 of it (2x, 3x) faster read in place (0.508 against 0.745 s, 0.724 against 0.830 s).
-STATE_SHARE_FOR_HOST = 2
+# What the parameters, the gradients (unless step_in_backward frees them as it goes) and the
+# state kept on the device may take of the limit together; the rest of the limit is for
+# activations and paging. Measured on an H100 (README, "LMS v2"): GPT-2 XL under
+# step_in_backward(free_gradients=True) trained fastest with 1/2 of AdamW's state on the host at
+# 2x (0.382 s against 0.396 at 3/4 and 0.485 at 1/4) and 3/4 of it at 3x (0.510 s against 0.633
+# at 1/2); that is the share this fraction gives (0.42 and 0.78, rounded up to whole groups).
+# Without freed gradients it puts all or nearly all of XL's state on the host (faster there than
+# paged: 0.508 against 0.745 s at 2x on an H200) and all of GPT-2 medium's on the device at 3x
+# and 4x (faster there: 0.205 against 0.225 s, 0.308 against 0.317 s).
+PERSISTENT_SHARE = 3 / 4
 _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
 
 
 def suggest_placement(
-    modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer], limit: int
-) -> dict[str, str]:
-    """Where an LMS session should keep each kind of tensor: {"optimizer_state": "device" or
-    "host"}. The state goes to the host when it would take more than half of the limit
-    (counted from the state the optimizers hold, or estimated from their parameters: two
-    tensors a parameter for the Adam family, one for Adagrad and SGD with momentum)."""
-    state_bytes = 0
-    for optimizer in optimizers:
-        held = sum(
-            value.nbytes
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
-        if held == 0:
-            per = _STATE_PER_PARAMETER.get(type(optimizer).__name__, 0)
-            if per == 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
-                per = 1
-            held = per * sum(p.nbytes for g in optimizer.param_groups for p in g["params"])
-        state_bytes += held
+    modules: Iterable[torch.nn.Module],
+    optimizers: Iterable[torch.optim.Optimizer],
+    limit: int,
+    *,
+    gradients_freed: bool = False,
+) -> dict[str, Any]:
+    """Where an LMS session should keep the optimizers' state: {"optimizer_state": "device",
+    "host" or a list of parameter groups whose state goes to the host}. The parameters, their
+    gradients (not counted with ``gradients_freed=True``: ``step_in_backward(optimizer,
+    free_gradients=True)`` drops each group's as soon as it has stepped) and the state left on
+    the device should take at most 3/4 of the limit; the state of the last parameter groups
+    (those a backward through a model in order completes first, whose steps overlap the most
+    of it) goes to the host until they do. The state is counted from what the optimizers hold,
+    or estimated from their parameters (two tensors a parameter for the Adam family, one for
+    Adagrad and SGD with momentum)."""
+    optimizers = list(optimizers)
     del modules  # the parameters are counted through the optimizers
-    where = "host" if state_bytes * STATE_SHARE_FOR_HOST > limit else "device"
-    return {"optimizer_state": where}
+    groups: list[tuple[dict[str, Any], int]] = []  # (group, its state's bytes)
+    parameter_bytes = 0
+    for optimizer in optimizers:
+        per = _STATE_PER_PARAMETER.get(type(optimizer).__name__, 0)
+        if per == 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            per = 1
+        for group in optimizer.param_groups:
+            held = 0
+            for parameter in group["params"]:
+                parameter_bytes += parameter.nbytes
+                state = optimizer.state.get(parameter, {})
+                tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
+                held += sum(v.nbytes for v in tensors) if tensors else per * parameter.nbytes
+            groups.append((group, held))
+    state_bytes = sum(held for _, held in groups)
+    fixed = parameter_bytes * (1 if gradients_freed else 2)
+    room = int(limit * PERSISTENT_SHARE) - fixed  # for the state left on the device
+    if state_bytes <= max(room, 0):  # no state at all stays "device" too
+        return {"optimizer_state": "device"}
+    on_host: list[dict[str, Any]] = []
+    for group, held in reversed(groups):
+        if state_bytes <= room:
+            break
+        on_host.append(group)
+        state_bytes -= held
+    if len(on_host) == len(groups):
+        return {"optimizer_state": "host"}
+    return {"optimizer_state": on_host[::-1]}
+
+
+def _describe_group(group: object) -> str:
+    if isinstance(group, dict) and isinstance(group.get("params"), list):
+        return f"a dict with {len(group['params'])} parameters"
+    return f"{group!r:.80} ({type(group).__name__})"
 
 
 def _allocator_settings() -> str:

@@ -29,6 +29,26 @@ Note [Stepping in the backward]
     (optimizers skip a parameter without one) and back after it. If that step raises, they stay
     out: they were applied already.
 
+    With ``free_gradients=True`` each group's gradients are dropped (``.grad`` set to None) as
+    soon as its step is queued, as PyTorch's recipe for fusing the step into the backward does:
+    the gradients then live only from their accumulation to their group's step, not all at once
+    at the end of the backward, which is what lets a model whose gradients would not fit beside
+    its parameters and state train under a limit. Their memory is reused only once the side
+    stream is past the step (``record_stream``). After ``backward()`` the stepped groups'
+    ``.grad`` are None: code that reads gradients after the backward needs the default.
+
+    By default ``optimizer.step()`` makes the compute stream wait for every group's step, so the
+    next forward starts only once all have finished. Given ``modules`` (those whose forwards read
+    the parameters), it does not: each module's forward waits, just before it runs, for the steps
+    of the groups that hold its own parameters, so the steps still running when the backward
+    ends (the last layers', completed first) overlap the next forward's first layers too. Groups
+    whose state lies in managed memory (``optimizer_state`` on the host: their steps take as
+    long as the link) step on a second side stream, so the other groups' steps, which the first
+    layers wait for, do not queue behind them. Anything else that reads the parameters before
+    the forward reaches their module calls ``wait()`` first; the next backward and ``remove()``
+    wait for whatever is left. It needs ``free_gradients=True``: a gradient kept after its step
+    could be zeroed in place (``zero_grad(set_to_none=False)``) while the step still reads it.
+
     What it does not allow: more than one backward between steps (gradient accumulation: the
     first backward would step on partial gradients; the second raises InvalidStateError), and
     anything done to the gradients between ``backward()`` and ``step()`` (clipping, unscaling
@@ -37,35 +57,50 @@ Note [Stepping in the backward]
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from . import _C
 from .errors import InvalidArgumentError, InvalidStateError
 
 __all__ = ["StepInBackward", "step_in_backward"]
 
 
 def step_in_backward(
-    optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None = None
+    optimizer: torch.optim.Optimizer,
+    stream: torch.cuda.Stream | None = None,
+    *,
+    free_gradients: bool = False,
+    modules: Iterable[torch.nn.Module] | None = None,
 ) -> StepInBackward:
     """Makes ``optimizer`` step each parameter group during the backward, as soon as the group's
     gradients are complete, on ``stream`` (default: a new stream on the parameters' device) while
-    the backward goes on (Note [Stepping in the backward]). ``remove()`` undoes it."""
-    return StepInBackward(optimizer, stream)
+    the backward goes on (Note [Stepping in the backward]). ``free_gradients=True`` drops each
+    group's gradients once it has stepped; with ``modules`` (which needs it), the next forward
+    waits for each group's step only at the modules that read its parameters. ``remove()``
+    undoes it."""
+    return StepInBackward(optimizer, stream, free_gradients=free_gradients, modules=modules)
 
 
 class StepInBackward:
     """See step_in_backward."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        stream: torch.cuda.Stream | None = None,
+        *,
+        free_gradients: bool = False,
+        modules: Iterable[torch.nn.Module] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "step_in_backward(optimizer): expected a torch.optim.Optimizer, got "
                 f"{optimizer!r} ({type(optimizer).__name__})"
             )
+        self.free_gradients = _C.check_flag("step_in_backward", "free_gradients", free_gradients)
         self.optimizer = optimizer
         self._groups = optimizer.param_groups  # the optimizer's own list, restored after steps
         self._group_of: dict[int, int] = {}  # id(parameter) -> its group
@@ -98,6 +133,54 @@ class StepInBackward:
         ]
         self._handles.append(optimizer.register_step_pre_hook(self._user_step_starts))
         self._handles.append(optimizer.register_step_post_hook(self._user_step_ends))
+        # Groups with state in managed memory step on a lane of their own (Note [Stepping in
+        # the backward]); made when first needed.
+        self._link_stream: torch.cuda.Stream | None = None
+        self._pending: dict[int, torch.cuda.Event] = {}  # group -> its step's end, not waited
+        self._lazy = modules is not None
+        if self._lazy:
+            self._watch(list(modules))
+
+    def _watch(self, modules: list[torch.nn.Module]) -> None:
+        if not self.free_gradients:
+            raise InvalidArgumentError(
+                "step_in_backward: modules= needs free_gradients=True (a gradient kept after "
+                "its group's step could be zeroed in place while the step still reads it)"
+            )
+        for module in modules:
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(
+                    "step_in_backward(modules): expected torch.nn.Module objects, got "
+                    f"{module!r:.80} ({type(module).__name__})"
+                )
+        seen: set[int] = set()
+        for module in modules:
+            for sub in module.modules():
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                groups = sorted(
+                    {
+                        self._group_of[id(p)]
+                        for p in sub.parameters(recurse=False)
+                        if id(p) in self._group_of
+                    }
+                )
+                if groups:
+                    self._handles.append(
+                        sub.register_forward_pre_hook(self._forward_waits_for(groups))
+                    )
+
+    def _forward_waits_for(self, groups: list[int]) -> Any:
+        def hook(*_: object) -> None:
+            if self._pending:
+                current = torch.cuda.current_stream(self.device)
+                for group in groups:
+                    event = self._pending.pop(group, None)
+                    if event is not None:
+                        current.wait_event(event)
+
+        return hook
 
     @property
     def groups_stepped(self) -> int:
@@ -111,9 +194,16 @@ class StepInBackward:
         self._handles = []
         self._catch_up()
 
+    def wait(self) -> None:
+        """The current stream waits for every group's step still running (for code that reads
+        the parameters outside the modules given as ``modules``)."""
+        self._catch_up()
+
     # -- hooks -----------------------------------------------------------------------------
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        if self._pending and not self._stepped and not self._waiting:
+            self._catch_up()  # the first gradient since step(): what no forward waited for
         group = self._group_of[id(parameter)]
         if group in self._stepped:
             raise InvalidStateError(
@@ -130,13 +220,45 @@ class StepInBackward:
             self._step_group(group)
 
     def _step_group(self, group: int) -> None:
-        if self.stream is None:
+        lane = None if self.stream is None else self._lane(group)
+        if lane is None:
             self._step_only([self._groups[group]])
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            lane.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(lane):
                 self._step_only([self._groups[group]])
+            if self._lazy:
+                self._pending[group] = lane.record_event()
         self._stepped.add(group)
+        if self.free_gradients:
+            self._drop_gradients(group, lane)
+
+    def _drop_gradients(self, group: int, lane: torch.cuda.Stream | None) -> None:
+        for parameter in self._groups[group]["params"]:
+            gradient = parameter.grad
+            if gradient is None:
+                continue
+            if lane is not None:
+                gradient.record_stream(lane)  # reused once the step has read it
+            parameter.grad = None
+
+    def _lane(self, group: int) -> torch.cuda.Stream:
+        """The side stream of a group's step: the link's for state in managed memory."""
+        if self._state_is_managed(group):
+            if self._link_stream is None:
+                self._link_stream = torch.cuda.Stream(self.device)
+            return self._link_stream
+        return self.stream
+
+    def _state_is_managed(self, group: int) -> bool:
+        from .managed import is_managed
+
+        state = self.optimizer.state
+        for parameter in self._groups[group]["params"]:
+            for value in state.get(parameter, {}).values():
+                if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                    return is_managed(value)
+        return False
 
     def _step_only(self, groups: list[dict[str, Any]]) -> None:
         optimizer = self.optimizer
@@ -151,7 +273,8 @@ class StepInBackward:
     def _user_step_starts(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._narrowed:
             return
-        self._catch_up()
+        if not self._lazy:
+            self._catch_up()
         # The user's step: only what the backward did not complete.
         self._set_aside = []
         for index in self._stepped:
@@ -170,6 +293,10 @@ class StepInBackward:
         self._set_aside = []
 
     def _catch_up(self) -> None:
-        """The compute stream waits for the steps queued on the side stream."""
+        """The compute stream waits for the steps queued on the side streams."""
+        self._pending.clear()
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            if self._link_stream is not None:
+                current.wait_stream(self._link_stream)

@@ -488,6 +488,67 @@ def what_cannot_move_is_refused_or_left_in_place() -> None:
     session.close()
 
 
+@scenario
+def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
+    # modules= lets the next forward start before the groups' steps end: each layer waits for
+    # its own group's step. Every step is held back on the side stream (a sleep queued before
+    # it), so a layer that did not wait would read its parameters before their update. Then the
+    # same with half the groups' state on the host (their own lane) under a session.
+    import torch
+
+    import torch_uvm_saver as tus
+
+    expected = reference(checkpoint=True)
+    for limit in (None, expected[2] * 2 // 3):
+        torch.cuda.empty_cache()
+        model, optimizer = make_model()
+        side = torch.cuda.Stream()
+        session = None
+        if limit is not None:
+            on_host = optimizer.param_groups[LAYERS // 2 :]
+            session = tus.lms_session(limit, [model], [optimizer], optimizer_state=on_host)
+        else:
+            for parameter in model.parameters():  # before step_in_backward's: they run first
+                parameter.register_post_accumulate_grad_hook(lambda _, side=side: _sleep_on(side))
+        overlap = tus.step_in_backward(optimizer, side, free_gradients=True, modules=[model])
+        left = []
+        losses = train(
+            model,
+            optimizer,
+            session,
+            checkpoint=True,
+            after_backward=lambda left=left, model=model: left.append(
+                [p.grad is None for p in model.parameters()]
+            ),
+        )
+        stats = session.stats() if session is not None else {}
+        if session is not None:
+            session.close()
+        overlap.remove()
+        params = [p.detach().cpu() for p in model.parameters()]
+        print(f"limit {limit}: {stats}")
+        assert all(all(row) for row in left), "gradients kept after their groups' steps"
+        check_same_training(expected, (losses, params))
+        if limit is not None:
+            managed = [
+                tus.is_managed(v)
+                for group in optimizer.param_groups
+                for p in group["params"]
+                for k, v in optimizer.state[p].items()
+                if k != "step" and v.nbytes >= MiB  # smaller ones stay where they are
+            ]
+            assert managed == [False] * (len(managed) // 2) + [True] * (len(managed) // 2)
+        del model, optimizer
+
+
+def _sleep_on(stream) -> None:
+    import torch
+
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # about 10 ms at 2 GHz
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     SCENARIOS[name]()

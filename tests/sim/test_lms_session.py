@@ -306,13 +306,29 @@ def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_sam
     assert stats["registered_bytes"] <= 2 * parameter_bytes
 
 
-def test_suggest_placement_puts_large_optimizer_state_on_the_host():
-    model, optimizer = make_model()  # AdamW: two moments a parameter
-    state = 2 * sum(p.nbytes for p in model.parameters())
-    # On the host once the state would take more than half the limit.
-    assert tus.suggest_placement([model], [optimizer], 2 * state - 1) == {"optimizer_state": "host"}
-    assert tus.suggest_placement([model], [optimizer], 2 * state) == {"optimizer_state": "device"}
-    assert tus.suggest_placement([model], [optimizer], 8 * state) == {"optimizer_state": "device"}
+def test_suggest_placement_sends_the_last_groups_state_to_the_host_until_the_rest_fits():
+    model, _ = make_model()  # six blocks of equal size, a parameter group each
+    optimizer = torch.optim.AdamW([{"params": list(b.parameters())} for b in model], lr=1e-3)
+    parameters = sum(p.nbytes for p in model.parameters())  # AdamW's state: twice that
+
+    def placement(limit, **options):
+        where = tus.suggest_placement([model], [optimizer], limit, **options)["optimizer_state"]
+        if isinstance(where, str):
+            return where
+        index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
+        return [index[id(group)] for group in where]
+
+    # Parameters, gradients and the state left on the device within 3/4 of the limit.
+    assert placement(16 * parameters) == "device"  # 4 of 12
+    assert placement(16 * parameters // 3) == "device"  # 4 of 4
+    assert placement(4 * parameters) == [3, 4, 5]  # 3 - 2 leaves room for 1 of 2
+    assert placement(8 * parameters // 3) == "host"  # no room for any
+    # With gradients freed in the backward they take nothing at the end.
+    assert placement(4 * parameters, gradients_freed=True) == "device"  # 1 + 2 of 3
+    assert placement(8 * parameters // 3, gradients_freed=True) == [3, 4, 5]  # 2 - 1
+    # Once the state exists, it is counted as held.
+    train(model, optimizer, steps=1)
+    assert placement(4 * parameters) == [3, 4, 5]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state at all
     assert tus.suggest_placement([model], [sgd], 1) == {"optimizer_state": "device"}
 
@@ -412,3 +428,61 @@ def test_a_write_between_iterations_is_not_lost_to_a_clean_page_out():
     assert losses == reference
     for mine, theirs in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_auto_placement_follows_suggest_placement():
+    model, optimizer = make_model()
+    state = 2 * sum(p.nbytes for p in model.parameters())
+    for limit, where in ((2 * state - 1, "host"), (8 * state, "device")):
+        session = tus.lms_session(
+            limit, [model], [optimizer], device="cpu", min_bytes=SMALL, optimizer_state="auto"
+        )
+        assert session.optimizer_state == where
+        session.close()
+
+
+def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_stays():
+    def grouped():
+        model, _ = make_model()
+        groups = [{"params": list(block.parameters())} for block in model]
+        return model, torch.optim.AdamW(groups, lr=1e-3)
+
+    reference_model, reference_optimizer = grouped()
+    reference = train(reference_model, reference_optimizer)
+    model, optimizer = grouped()
+    on_host = optimizer.param_groups[-2:]
+    session = tus.lms_session(
+        10**9,
+        [model],
+        [optimizer],
+        device="cpu",
+        budget=200_000,
+        min_bytes=SMALL,
+        optimizer_state=on_host,
+    )
+    losses = train(model, optimizer, session)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    host_parameters = {id(p) for group in on_host for p in group["params"]}
+    placed = 0
+    for parameter, state in optimizer.state.items():
+        for key, value in state.items():
+            if key == "step" or value.nbytes < SMALL:
+                continue
+            assert tus.is_managed(value) == (id(parameter) in host_parameters), key
+            placed += value.nbytes if id(parameter) in host_parameters else 0
+    assert placed > 0 and stats["host_placed_bytes"] == placed
+
+
+def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
+    model, optimizer = make_model()
+    _, other = make_model()
+    with pytest.raises(errors.InvalidArgumentError, match="not one of the session's optimizers"):
+        tus.lms_session(
+            10**9, [model], [optimizer], device="cpu", optimizer_state=other.param_groups
+        )
+    with pytest.raises(TypeError, match="optimizer_state"):
+        tus.lms_session(10**9, [model], [optimizer], device="cpu", optimizer_state=3)

@@ -135,3 +135,56 @@ def test_a_step_that_raises_leaves_the_optimizer_whole_and_training_goes_on():
     model(torch.randn(8, 16)).sum().backward()  # no "second backward" error: the step ran
     assert overlap.groups_stepped == 4
     optimizer.step()
+
+
+def test_free_gradients_drops_each_group_s_gradients_once_it_stepped_and_trains_the_same():
+    model, optimizer = make_model(unused_layer=True)
+    expected_losses = train(model, optimizer)
+    expected = parameters(model)
+
+    model, optimizer = make_model(unused_layer=True)
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    seen = []
+
+    def after_backward():
+        seen.append([p.grad is None for p in model.parameters()])
+
+    losses = train(model, optimizer, after_backward=after_backward)
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(parameters(model), expected))
+    # After each backward the stepped groups hold no gradient; without the option they do.
+    assert seen == [[True] * 8] * 3
+    overlap.remove()
+    model, optimizer = make_model()
+    kept = tus.step_in_backward(optimizer)
+    train(
+        model,
+        optimizer,
+        steps=1,
+        after_backward=lambda: seen.append([p.grad is not None for p in model.parameters()]),
+    )
+    assert seen[-1] == [True] * 8
+    kept.remove()
+
+
+def test_free_gradients_must_be_a_flag():
+    _, optimizer = make_model()
+    with pytest.raises(TypeError, match="free_gradients"):
+        tus.step_in_backward(optimizer, free_gradients="yes")
+
+
+def test_waiting_in_the_forward_trains_the_same_and_needs_free_gradients():
+    model, optimizer = make_model(unused_layer=True)
+    expected_losses = train(model, optimizer)
+    expected = parameters(model)
+
+    model, optimizer = make_model(unused_layer=True)
+    with pytest.raises(errors.InvalidArgumentError, match="free_gradients=True"):
+        tus.step_in_backward(optimizer, modules=[model])
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        tus.step_in_backward(optimizer, free_gradients=True, modules=[optimizer])
+    overlap = tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
+    losses = train(model, optimizer, after_backward=overlap.wait)
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(parameters(model), expected))
+    overlap.remove()
