@@ -92,9 +92,8 @@ NATIVE = "native"
 LMS_V2 = "lms-v2"  # tus.lms_session on PyTorch's allocator
 LMS_V2_CKPT = "lms-v2-ckpt"  # the same + gradient checkpointing
 LMS_V2_HOST = "lms-v2-host"  # lms-v2-ckpt + the optimizer state on the host, read in place
-LMS_V2_OVERLAP = "lms-v2-overlap"  # lms-v2-host + each group's step during the backward
+LMS_V2_OVERLAP = "lms-v2-overlap"  # lms-v2-ckpt + suggested placement + steps in the backward
 V2_COLUMNS = (LMS_V2, LMS_V2_CKPT, LMS_V2_HOST, LMS_V2_OVERLAP)
-HOST_STATE_COLUMNS = (LMS_V2_HOST, LMS_V2_OVERLAP)
 LMS_COLUMNS = ("lms-vmm", "lms-vmm-plain", "lms-managed")  # the global LMS hook
 BUDGET = "managed-budget"
 LIMITED = (*V2_COLUMNS, *LMS_COLUMNS, BUDGET)  # run once per ratio, under its limit
@@ -142,7 +141,11 @@ DESCRIPTIONS = {
     LMS_V2: "tus.lms_session, defaults",
     LMS_V2_CKPT: "tus.lms_session + gradient checkpointing",
     LMS_V2_HOST: "tus.lms_session + gradient checkpointing, optimizer_state='host'",
-    LMS_V2_OVERLAP: "lms-v2-host + tus.step_in_backward(optimizer)",
+    LMS_V2_OVERLAP: (
+        "tus.lms_session + gradient checkpointing, optimizer_state from "
+        "tus.suggest_placement(gradients_freed=True) + tus.step_in_backward(optimizer, "
+        "free_gradients=True, modules=[model])"
+    ),
     CKPT: "gradient checkpointing (non-reentrant)",
     CKPT_SAVE_ON_CPU: "gradient checkpointing + save_on_cpu",
     "lms-vmm": "LMS, VMM, speculation + prefetch",
@@ -658,6 +661,13 @@ def timed_step(step: Callable[[], tuple[float, float | None]]) -> tuple[float, f
     return time.perf_counter() - start, loss, optimizer_s
 
 
+def describe_placement(placement: dict, optimizer: torch.optim.Optimizer) -> str:
+    where = placement["optimizer_state"]
+    if isinstance(where, str):
+        return where
+    return f"host for the last {len(where)} of {len(optimizer.param_groups)} parameter groups"
+
+
 def train(column: str, args, result: dict) -> None:
     """Sets up `column` and trains; fills `result` as it goes (a failure keeps what was found)."""
     tus, settings = install_backend(column, args)  # first: before CUDA initializes
@@ -709,11 +719,17 @@ def train(column: str, args, result: dict) -> None:
     if lms is not None:
         # Last in the setup: it sees the model and the optimizer (whose state AdamW creates in
         # the first step, inside the session).
-        placement = {"optimizer_state": "host"} if column in HOST_STATE_COLUMNS else {}
+        placement = {"optimizer_state": "host"} if column == LMS_V2_HOST else {}
+        if column == LMS_V2_OVERLAP:
+            # The documented helper's choice for gradients freed as the backward steps.
+            placement = lms.suggest_placement([model], [optimizer], limit, gradients_freed=True)
+            result["placement"] = describe_placement(placement, optimizer)
         session = lms.lms_session(limit, modules=[model], optimizers=[optimizer], **placement)
         if column == LMS_V2_OVERLAP:
-            # Held until the process ends: the hooks stay on the optimizer and its parameters.
-            result["step_in_backward"] = lms.step_in_backward(optimizer) is not None
+            # Held until the process ends: the hooks stay on the optimizer, its parameters and
+            # the model's modules.
+            lms.step_in_backward(optimizer, free_gradients=True, modules=[model])
+            result["step_in_backward"] = "free_gradients=True, modules=[model]"
         result["session"] = {
             "limit_bytes": limit,
             "torch_uvm_saver": getattr(lms, "__version__", None),

@@ -9,7 +9,8 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
 
 Prints one line a configuration (median step, the baseline's step over it, peak reserved, state
 on the host, bytes the session moved a step: page-outs, clean ones that copy nothing included,
-page-ins and prefetches; the largest loss difference from the baseline) and a table last. Needs a GPU and transformers.
+page-ins and prefetches; the largest loss difference from the baseline) and a table last.
+Needs a GPU and transformers.
 """
 
 from __future__ import annotations
