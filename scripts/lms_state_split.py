@@ -16,6 +16,7 @@ Needs a GPU and transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import oversub_child as child
+from profile_lms_session import step
 
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
@@ -68,13 +70,8 @@ def run_one(limit: int, share: float | None, free: bool, steps: int, warmup: int
     torch.cuda.reset_peak_memory_stats()
 
     def one() -> float:
-        with session if session is not None else _nothing():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(loss)
+        with session if session is not None else contextlib.nullcontext():
+            return step(model, optimizer, ids)
 
     losses, times = [], []
     for i in range(warmup + steps):
@@ -95,14 +92,6 @@ def run_one(limit: int, share: float | None, free: bool, steps: int, warmup: int
         out["moved_gb"] = sum(after[k] - before[k] for k in MOVED) / steps / 1e9
         out["host_gib"] = after["host_placed_bytes"] / GiB
     return out
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def main() -> None:
