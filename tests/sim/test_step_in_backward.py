@@ -36,14 +36,18 @@ def train(model, optimizer, steps: int = 3, after_backward=None) -> list[float]:
     return losses
 
 
+def plain_training(unused_layer: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+    """The losses and final parameters of the same training without step_in_backward."""
+    model, optimizer = make_model(unused_layer)
+    return train(model, optimizer), parameters(model)
+
+
 def parameters(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
 def test_groups_step_during_the_backward_and_train_bit_for_bit():
-    model, optimizer = make_model()
-    expected_losses = train(model, optimizer)
-    expected = parameters(model)
+    expected_losses, expected = plain_training()
 
     model, optimizer = make_model()
     overlap = tus.step_in_backward(optimizer)
@@ -62,9 +66,7 @@ def test_groups_step_during_the_backward_and_train_bit_for_bit():
 
 
 def test_a_group_the_backward_does_not_complete_steps_in_step():
-    model, optimizer = make_model(unused_layer=True)
-    expected_losses = train(model, optimizer)
-    expected = parameters(model)
+    expected_losses, expected = plain_training(unused_layer=True)
 
     model, optimizer = make_model(unused_layer=True)
     overlap = tus.step_in_backward(optimizer)
@@ -138,9 +140,7 @@ def test_a_step_that_raises_leaves_the_optimizer_whole_and_training_goes_on():
 
 
 def test_free_gradients_drops_each_group_s_gradients_once_it_stepped_and_trains_the_same():
-    model, optimizer = make_model(unused_layer=True)
-    expected_losses = train(model, optimizer)
-    expected = parameters(model)
+    expected_losses, expected = plain_training(unused_layer=True)
 
     model, optimizer = make_model(unused_layer=True)
     overlap = tus.step_in_backward(optimizer, free_gradients=True)
@@ -174,9 +174,7 @@ def test_free_gradients_must_be_a_flag():
 
 
 def test_waiting_in_the_forward_trains_the_same_and_needs_free_gradients():
-    model, optimizer = make_model(unused_layer=True)
-    expected_losses = train(model, optimizer)
-    expected = parameters(model)
+    expected_losses, expected = plain_training(unused_layer=True)
 
     model, optimizer = make_model(unused_layer=True)
     with pytest.raises(errors.InvalidArgumentError, match="free_gradients=True"):
