@@ -74,6 +74,8 @@ void bind_relocation(py::module_& module) {
       .def("evict_all", &Planner::evict_all, py::arg("keep"))
       .def("bring_all_in", &Planner::bring_all_in)
       .def("end_iteration", &Planner::end_iteration)
+      .def("coarsen", &Planner::coarsen, py::arg("to"),
+           "After end_iteration: position p of the last iteration becomes to[p].")
       .def_property_readonly("position", &Planner::position)
       .def("budget_at", &Planner::budget_at, py::arg("position"))
       .def_property_readonly("resident_bytes", &Planner::resident_bytes)

@@ -1,6 +1,7 @@
 #include "allocator/residency/relocation_planner.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "allocator/errors.h"
 
@@ -54,10 +55,18 @@ bool RelocationPlanner::is_out(BlockId id) const {
 }
 
 std::uint64_t RelocationPlanner::next_read(std::uint64_t key) const {
+  return next_read_after(key, position_);
+}
+
+std::uint64_t RelocationPlanner::next_read_after(std::uint64_t key, std::uint64_t position) const {
   const auto it = reads_then_.find(key);
   if (it == reads_then_.end()) return kNever;
-  const auto next = std::upper_bound(it->second.begin(), it->second.end(), position_);
-  return next == it->second.end() ? kNever : *next;
+  const auto next = std::upper_bound(it->second.begin(), it->second.end(), position);
+  if (next != it->second.end()) return *next;
+  // Read no more this iteration: a persistent block is read again in the next one, at its first
+  // position there (Note [Choosing victims]); a transient block's key names another block then.
+  if ((key & kTransientKey) != 0 || it->second.empty()) return kNever;
+  return std::max(operators_per_iteration_, position) + it->second.front();
 }
 
 void RelocationPlanner::make_resident(BlockId id, Block& block) {
@@ -170,10 +179,23 @@ RelocationPlanner::Plan RelocationPlanner::bring_in(const std::vector<BlockId>& 
   return plan;
 }
 
+std::uint64_t RelocationPlanner::latest_next_read(std::uint64_t read_at) const {
+  std::uint64_t latest = 0;
+  for (std::size_t i = ahead_; i < events_then_.size(); ++i) {
+    const auto [position, key] = events_then_[i];
+    if (position >= read_at) break;
+    if (by_key_.count(key) == 0) continue;
+    const std::uint64_t next = next_read_after(key, read_at);
+    if (next != kNever) latest = std::max(latest, next);
+  }
+  return latest;
+}
+
 void RelocationPlanner::plan_prefetch(std::size_t budget, const std::unordered_set<BlockId>& keep,
                                       Plan& plan) {
   if (prefetch_depth_ == 0) return;
   const std::uint64_t horizon = position_ + prefetch_depth_;
+  while (ahead_ < events_then_.size() && events_then_[ahead_].first <= position_) ++ahead_;
   while (prefetch_scanned_ < events_then_.size() &&
          events_then_[prefetch_scanned_].first <= position_) {
     ++prefetch_scanned_;  // in the past now
@@ -185,10 +207,12 @@ void RelocationPlanner::plan_prefetch(std::size_t budget, const std::unordered_s
     if (found != by_key_.end()) {
       Block& block = blocks_.at(found->second);
       if (block.out) {
-        // Room: free budget, or blocks read later than this one (Note [Prefetch from the trace]).
-        if (!room_for(block.bytes, budget, keep, read_at)) break;  // again at the next operator
+        // Room: free budget, or blocks read later than this one and than those read before it
+        // (Note [Prefetch from the trace]).
+        const std::uint64_t after = std::max(read_at, latest_next_read(read_at));
+        if (!room_for(block.bytes, budget, keep, after)) break;  // again at the next operator
         while (resident_bytes_ + block.bytes > budget) {
-          plan.page_out.push_back(take_victim(keep, read_at));
+          plan.page_out.push_back(take_victim(keep, after));
         }
         make_resident(found->second, block);
         block.prefetched = true;
@@ -267,6 +291,7 @@ void RelocationPlanner::end_iteration() {
   position_ = 0;
   transient_added_ = 0;
   prefetch_scanned_ = 0;
+  ahead_ = 0;
   ++counters_.iterations;
   // Transient blocks that outlive their iteration keep no key the next trace knows: they must not
   // take the keys that this iteration's new blocks are given (Note [Choosing victims]).
@@ -278,6 +303,50 @@ void RelocationPlanner::end_iteration() {
     block.key = kTransientKey | kOrphanKey | orphans_++;
   }
   // Next reads are positions of the new iteration: rank every resident block again.
+  resident_.clear();
+  for (auto& [id, block] : blocks_) {
+    if (block.out) continue;
+    block.rank.next_read = next_read(block.key);
+    resident_.insert(block.rank);
+  }
+}
+
+void RelocationPlanner::coarsen(const std::vector<std::uint64_t>& to) {
+  if (to.size() != operators_per_iteration_ + 1) {
+    TUS_THROW(InvalidArgument, "relocating LMS: coarsen() maps " << operators_per_iteration_
+                                                                 << " positions, got a map of "
+                                                                 << to.size());
+  }
+  for (std::size_t p = 1; p < to.size(); ++p) {
+    if (to[p] == 0 || (p > 1 && to[p] < to[p - 1])) {
+      TUS_THROW(InvalidArgument,
+                "relocating LMS: coarsen() needs non-decreasing positions from 1, got "
+                    << to[p] << " at " << p);
+    }
+  }
+  for (auto& [key, positions] : reads_then_) {
+    for (auto& position : positions) position = to[position];
+    positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+  }
+  // Events stay in order; a key read twice within one new position is kept once.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> events;
+  events.reserve(events_then_.size());
+  std::unordered_set<std::uint64_t> seen;
+  for (const auto& [position, key] : events_then_) {
+    const std::uint64_t mapped = to[position];
+    if (!events.empty() && events.back().first != mapped) seen.clear();
+    if (seen.insert(key).second) events.emplace_back(mapped, key);
+  }
+  events_then_ = std::move(events);
+  std::map<std::uint64_t, std::size_t> caps;
+  for (const auto& [position, cap] : caps_) {
+    // A cap before the first read (position 0) stays there; none lies past the last.
+    const std::uint64_t mapped = position == 0 ? 0 : to[std::min(position, to.size() - 1)];
+    const auto [it, added] = caps.emplace(mapped, cap);
+    if (!added) it->second = std::min(it->second, cap);
+  }
+  caps_ = std::move(caps);
+  operators_per_iteration_ = to.size() > 1 ? to.back() : 0;
   resident_.clear();
   for (auto& [id, block] : blocks_) {
     if (block.out) continue;

@@ -20,19 +20,29 @@
 //  Training repeats itself: the n-th operator of an iteration reads the same blocks as the n-th
 //  operator of the one before. The planner records, per block, at which operators (positions) it
 //  was read, and in the next iteration evicts the resident block whose next read in the previous
-//  iteration lies furthest ahead, never-again first: Belady's optimal choice, on last iteration's
-//  trace. Ties, and the first iteration (no trace), go to the least recently used. A block keeps
-//  its name across iterations through its key: a persistent block (a parameter, optimizer state)
-//  is keyed by its id; a transient one (a saved activation, a gradient: new storages every
-//  iteration) by the order in which it was added in its iteration.
+//  iteration lies furthest ahead: Belady's optimal choice, on last iteration's trace. A
+//  persistent block read no more this iteration is next read at its first position of the next
+//  one (the trace wraps around). Ranking all of those "never" and taking the least recently used
+//  of them evicted, at a backward's end, the state the next backward steps first, and paged a
+//  loop's blocks up to twice as often as needed. Ties, and the first iteration (no trace), go to
+//  the least recently used. A block keeps its name across iterations through its key: a
+//  persistent block (a parameter, optimizer state) is keyed by its id; a transient one (a saved
+//  activation, a gradient: new storages every iteration) by the order in which it was added in
+//  its iteration.
 //
 // Note [Prefetch from the trace]
 //  At every position the planner looks `prefetch_depth` operators ahead in the previous
 //  iteration's trace, and pages in blocks read there that are out now: into free budget, or in
-//  place of a resident block whose next read lies further ahead than the prefetched block's (the
-//  same rule as above, so prefetching never evicts what is needed sooner). Prefetches are queued
-//  on a stream of their own and overlap compute and page-outs; a prefetched block read while
-//  still in counts as a hit, one evicted before its read as wasted.
+//  place of a resident block whose next read lies further ahead than the prefetched block's, and
+//  further than the next read (after the prefetched one) of every block the trace reads until
+//  then. That is the victim Belady's rule would take at the prefetched read itself. A block read
+//  in between may be done for the iteration once read (a state after its step): it is the better
+//  victim then, and the prefetch waits for it rather than evict a block this iteration still
+//  reads, which must come back. So prefetching never evicts what is needed sooner, nor pages
+//  more than demand paging would (evicting whatever was read furthest ahead at the time paged
+//  1.7x the bytes in a simulated GPT-2 XL step). Prefetches are queued on a stream of their own
+//  and overlap compute and page-outs; a prefetched block read while still in counts as a hit, one
+//  evicted before its read as wasted.
 #pragma once
 
 #include <cstddef>
@@ -112,6 +122,11 @@ class RelocationPlanner {
   std::vector<BlockId> bring_all_in();
   // The iteration's trace becomes the one the next iteration plans with.
   void end_iteration();
+  // After end_iteration(): the last iteration's position p becomes `to[p]` (p from 1 to
+  // operators_per_iteration(); `to` non-decreasing, from 1), its reads and caps with it, so the
+  // next iteration plans with one position for what were several (Note [Watching by events] in
+  // torch_uvm_saver/lms_events.py). InvalidArgument for a map of another length or order.
+  void coarsen(const std::vector<std::uint64_t>& to);
 
   const Counters& counters() const { return counters_; }
   std::size_t resident_bytes() const { return resident_bytes_; }
@@ -150,7 +165,15 @@ class RelocationPlanner {
     Rank rank{};              // its entry in resident_ while resident
   };
 
+  // The block of `key`'s next read after now, or after `position`, in the previous iteration's
+  // trace; a persistent block read no more this iteration is read at its first position of the
+  // next one (past this iteration's last position). kNever if it has none.
   std::uint64_t next_read(std::uint64_t key) const;
+  std::uint64_t next_read_after(std::uint64_t key, std::uint64_t position) const;
+  // The latest next read after `read_at` of the blocks the trace reads from now until before
+  // `read_at`: a prefetch for `read_at` that evicted a block read sooner than that would evict
+  // what Belady's rule, applied at `read_at`, keeps (Note [Prefetch from the trace]).
+  std::uint64_t latest_next_read(std::uint64_t read_at) const;
   void make_resident(BlockId id, Block& block);
   void make_out(Block& block);
   // Sends out the best victim not in `keep` whose next read lies after `after`; 0 if none.
@@ -186,6 +209,8 @@ class RelocationPlanner {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> events_then_;
   // events_then_ before it lie in the past or were considered for prefetch
   std::size_t prefetch_scanned_ = 0;
+  // events_then_ before it lie in the past
+  std::size_t ahead_ = 0;
   Counters counters_;
 };
 

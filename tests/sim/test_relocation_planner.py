@@ -74,6 +74,52 @@ def test_second_iteration_evicts_the_block_read_furthest_ahead():
     assert second[30] == [20]
 
 
+def layered_training(p, layers, iterations):
+    """A training step in miniature: the forward reads parameters 1..layers, the backward reads
+    them again in reverse (recomputation) and each is followed by the step that reads its state
+    (100 + k), read nowhere else. Returns the bytes paged in (on demand and prefetched) per
+    iteration."""
+    for k in range(1, layers + 1):
+        p.add(k, KB, True)
+        p.add(100 + k, KB, True)
+    moved = []
+    for _ in range(iterations):
+        before = p.counters()
+        for k in range(1, layers + 1):
+            p.before_use([k])
+        for k in range(layers, 0, -1):
+            p.before_use([k])
+            p.before_use([100 + k])
+        p.end_iteration()
+        after = p.counters()
+        moved.append(
+            sum(after[key] - before[key] for key in ("pagein_bytes", "prefetch_bytes")) // KB
+        )
+    return moved
+
+
+def test_a_block_read_no_more_this_iteration_ranks_by_its_first_read_in_the_next():
+    # 24 blocks, room for 21: at least 3 come in an iteration, and Belady's rule on a loop pages
+    # in no more than that once it has a trace. A block whose last read this iteration is past
+    # is read again at its position in the next; ranking all such blocks "never" and evicting
+    # the least recently used of them pages 5 blocks in an iteration here.
+    p = planner(21 * KB)
+    moved = layered_training(p, 12, iterations=8)
+    assert moved[4:] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("depth", [4, 16])
+def test_prefetch_waits_for_a_block_to_be_done_rather_than_evict_one_read_sooner(depth):
+    # 48 blocks, room for 43. A prefetch in the forward could make room only with a state that
+    # this backward's step reads later: the step of the state it brings in sends out the block
+    # just stepped anyway, so evicting that state as well pages twice the minimum (10 here).
+    # Belady's rule applied at the prefetched read waits until the backward's last read of a
+    # block is past (Note [Prefetch from the trace]).
+    p = planner(43 * KB, depth=depth)
+    moved = layered_training(p, 24, iterations=8)
+    assert moved[4:] == [5, 5, 5, 5]
+
+
 def test_prefetch_pages_in_ahead_from_the_previous_trace():
     # Room for two of three blocks read 1, 2, 3 every iteration.
     p = planner(2 * KB, depth=8)
@@ -250,3 +296,47 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(errors.InvalidArgumentError, match="unknown block"):
         p.make_persistent(7)
     assert p.registered_bytes == KB
+
+
+def test_coarsen_plans_the_next_iteration_with_one_position_for_several():
+    # Reads 1, 2, 3, 4 at positions 1-4 with room for three; 1 ends out. Coarsened into two
+    # positions, (1, 2) and (3, 4), the next iteration reads 1 and 2 at its first position.
+    def first_iteration():
+        p = planner(3 * KB, depth=4)
+        for block in (1, 2, 3, 4):
+            p.add(block, KB, True)
+        for ids in ([1], [2], [3], [4]):
+            p.before_use(ids)
+        p.end_iteration()
+        return p
+
+    fine = first_iteration()
+    # The fine trace reads 4 after 3: 4 is the victim for 1.
+    assert fine.before_use([1, 2]) == ([4], [1], [])
+    coarse = first_iteration()
+    coarse.coarsen([0, 1, 1, 2, 2])
+    assert coarse.counters()["operators_per_iteration"] == 2
+    # In the coarse trace 3 and 4 are read at one position: a tie, the least recently used
+    # (3) goes; at the second position 3 comes back for 2 (1 and 2 are read next at the
+    # following iteration's first position, 1 the more recently).
+    assert coarse.before_use([1, 2]) == ([3], [1], [])
+    assert coarse.before_use([3, 4]) == ([2], [3], [])
+    assert coarse.position == 2
+
+
+def test_coarsen_moves_caps_and_refuses_bad_maps():
+    p = planner(4 * KB, depth=0)
+    for block in (1, 2):
+        p.add(block, KB, True)
+    for ids in ([1], [2], [1], [2]):
+        p.before_use(ids)
+        if p.position == 3:
+            p.make_room(KB, [1])  # capped at position 3
+    p.end_iteration()
+    with pytest.raises(errors.InvalidArgumentError, match="coarsen"):
+        p.coarsen([0, 1, 2])  # 4 positions, not 2
+    with pytest.raises(errors.InvalidArgumentError, match="non-decreasing"):
+        p.coarsen([0, 2, 1, 2, 2])
+    p.coarsen([0, 1, 1, 2, 2])
+    assert p.budget_at(2) < 4 * KB and p.budget_at(1) < 4 * KB  # the cap sits at 2, in reach
+    assert p.counters()["capped_positions"] == 1
