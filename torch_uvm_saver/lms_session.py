@@ -150,6 +150,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
+from .lms_events import UNPACK, WATCH_MODES, EventWatch
 from .segment_move import byte_view as _byte_view
 from .segment_move import in_fixed_segments, move_into_expandable_segments
 
@@ -189,7 +190,11 @@ def lms_session(
     optimizers' state lives: "device" (default, paged with everything else), "host" (Note
     [Optimizer state on the host]), a list of parameter groups (the dicts of the optimizers'
     ``param_groups``) whose state goes to the host while the rest stays, or "auto"
-    (``suggest_placement``'s choice, assuming gradients are kept).
+    (``suggest_placement``'s choice, assuming gradients are kept); ``watch``, "operators"
+    (default: every operator of a watched iteration passes the session's dispatch mode) or
+    "modules" (one iteration is watched so, and the ones that repeat it are watched by module
+    hooks and autograd's events, which costs the host far less: Note [Watching by events] in
+    lms_events.py says what that assumes).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -306,6 +311,7 @@ class LmsSession:
         quiet: bool = True,
         expandable_segments: bool = True,
         optimizer_state: str | list[dict[str, Any]] = "device",
+        watch: str = "operators",
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -329,6 +335,10 @@ class LmsSession:
             )
         if min_bytes < 1:
             raise InvalidArgumentError(f"lms_session: min_bytes must be >= 1, got {min_bytes}")
+        if not isinstance(watch, str) or watch not in WATCH_MODES:
+            raise InvalidArgumentError(
+                f"lms_session: watch must be one of {', '.join(WATCH_MODES)}, got {watch!r}"
+            )
         self.device = _resolve_device(device)
         self.limit = int(limit)
         self.min_bytes = int(min_bytes)
@@ -385,6 +395,10 @@ class LmsSession:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
             self._adopt_optimizer_state(optimizer)
+        self._events: EventWatch | None = None
+        if watch == "modules":
+            self._events = EventWatch(self, modules)
+            self._handles.extend(self._events.handles)
         if self._cuda:
             if self._expandable_segments_on():
                 self._move_out_of_fixed_segments()
@@ -410,9 +424,13 @@ class LmsSession:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
         threads = torch.autograd.set_multithreading_enabled(False)
-        self._context = [threads, hooks, _Dispatch(self)]
+        self._context = [threads, hooks]
+        if self._events is None or self._events.watches_operators:
+            self._context.append(_Dispatch(self))
         for context in self._context:
             context.__enter__()
+        if self._events is not None:
+            self._events.begin()  # Note [Watching by events]
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -428,6 +446,8 @@ class LmsSession:
             for optimizer in self._optimizers:
                 self._adopt_optimizer_state(optimizer)
             return
+        if self._events is not None:
+            self._events.end()
         for context in reversed(self._context):
             context.__exit__(*exc_info)
         self._context = []
@@ -438,6 +458,8 @@ class LmsSession:
         # An iteration that ends holding more than it began with (an optimizer's first step
         # makes its state) says nothing about the next one, which carries that state all along.
         grew = self._planner.counters()["registered_bytes"] > self._registered_at_enter
+        if self._events is not None:
+            self._events.finish(failed, grew)
         self._quiet = (
             self._quiet_allowed
             and not failed
@@ -501,7 +523,10 @@ class LmsSession:
         oom_retries (operators run again after making room), clean_pageout_count and
         clean_pageout_bytes (page-outs that copied nothing: Note [Clean page-outs]),
         saved_managed (tensors autograd saved that the session took on), skipped_saved (saved
-        tensors left resident: Note [What the session relocates])."""
+        tensors left resident: Note [What the session relocates]); with watch="modules",
+        event_iterations (iterations watched by events), event_recordings (iterations recorded
+        for them) and event_deviations (iterations that left the record: Note [Watching by
+        events])."""
         out = dict(self._planner.counters())
         out["oom_retries"] = self._oom_retries
         out["clean_pageout_count"] = self._clean_pageouts
@@ -511,6 +536,10 @@ class LmsSession:
         out["limit_bytes"] = self.limit
         out["quiet_iterations"] = self._quiet_iterations
         out["host_placed_bytes"] = self._placed_bytes
+        events = self._events
+        out["event_iterations"] = events.iterations_acted if events is not None else 0
+        out["event_recordings"] = events.recordings if events is not None else 0
+        out["event_deviations"] = events.deviations if events is not None else 0
         return out
 
     # -- registration ------------------------------------------------------------------------
@@ -562,25 +591,40 @@ class LmsSession:
         block = _storage_id(t)
         if block not in self._entries:
             self._entries[block] = _Entry(t.untyped_storage(), persistent)
-            self._planner.add(block, self._entries[block].nbytes, persistent)
+            self._register(block, persistent)
         return block
+
+    def _register(self, block: int, persistent: bool) -> None:
+        """The planner takes the block (one made this iteration keyed by the order it came in)."""
+        self._planner.add(block, self._entries[block].nbytes, persistent)
+        if not persistent and self._events is not None:
+            self._events.took(block)
+            if self._events.acting:
+                # No operator comes through to page out what passes the budget: it is done as
+                # the storage comes, sparing what the operators since the last event read (a
+                # bring-in reads nothing and takes no position).
+                self._bring_in(self._events.window())
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._busy or torch._C._current_graph_task_id() != -1:
             return t  # recomputation during backward: short-lived, never paged
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != self.device:
             return t  # subclasses (DTensor, fake tensors) and other devices stay as they are
-        if t.layout != torch.strided or t.untyped_storage().nbytes() < self.min_bytes:
+        if t.layout != torch.strided:
             self._skipped_saved += 1
             return t
-        if self._eligible(t) is not None:
-            self._skipped_saved += 1
-            return t
+        # A storage of ours is taken whatever its size now: autograd saves an operator's inputs
+        # before the dispatch mode pages them in, so a parameter may be out (0 bytes) here, and
+        # which saved tensors the session takes must not hang on that (watching by events
+        # counts their unpacking: Note [Watching by events]).
         block = _storage_id(t)
         entry = self._entries.get(block)
         if entry is None:
+            if t.untyped_storage().nbytes() < self.min_bytes or self._eligible(t) is not None:
+                self._skipped_saved += 1
+                return t
             entry = self._entries[block] = _Entry(t.untyped_storage(), persistent=False)
-            self._planner.add(block, entry.nbytes, False)
+            self._register(block, persistent=False)
         entry.saved_refs += 1
         self._saved_managed += 1
         # Detached: a saved output holding itself (and so its grad_fn) would be a cycle that
@@ -604,6 +648,8 @@ class LmsSession:
     def _adopt_gradient(self, parameter: torch.Tensor) -> None:
         if self._quiet:
             return  # unwatched: nothing pages, and the planner's keys stay those of its trace
+        if self._events is not None and self._active:
+            self._events.event(("grad", id(parameter)))
         grad = parameter.grad
         if (
             grad is not None
@@ -614,9 +660,13 @@ class LmsSession:
 
     def _optimizer_starts(self, *_: object) -> None:
         self._in_optimizer_step = self._active
+        if self._events is not None and self._active and not self._quiet:
+            self._events.step_starts()
 
     def _optimizer_ends(self, *_: object) -> None:
         self._in_optimizer_step = False
+        if self._events is not None and self._active and not self._quiet:
+            self._events.step_ends()
 
     def _adopt_outputs(self, result: object) -> None:
         """Inside an optimizer's step: what it allocates (its state, the first time) is managed
@@ -635,13 +685,18 @@ class LmsSession:
             self._place_on_host(optimizer)
         for state in optimizer.state.values():
             for value in state.values():
-                if not isinstance(value, torch.Tensor) or self._eligible(value) is not None:
+                if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                     continue
                 block = _storage_id(value)
                 entry = self._entries.get(block)
                 if entry is None:
-                    self._add(value, persistent=True, what="optimizer state")
-                elif entry.strong is None:  # allocated during a step: it stays for good
+                    if self._eligible(value) is None:
+                        self._add(value, persistent=True, what="optimizer state")
+                elif entry.strong is None:
+                    # Allocated during a step: it stays for good. Whether it is out now (0
+                    # bytes) does not matter: kept transient, the planner would key it by an
+                    # order that names another storage next iteration, and rank it "never
+                    # read again" (Note [Choosing victims]): paged out first and in on demand.
                     entry.strong = value.untyped_storage()
                     self._planner.make_persistent(block)
 
@@ -731,11 +786,15 @@ class LmsSession:
 
     def _written(self, ids: list[int]) -> None:
         """An operator that may write its inputs reads these: their host copies are stale."""
+        if self._events is not None:
+            self._events.wrote(ids)
         entries = self._entries
         for block in ids:
             entries[block].host_current = False
 
     def _before(self, ids: list[int]) -> None:
+        if self._events is not None:
+            self._events.read(ids, counted=True)
         plan = self._planner.before_use(ids)
         if plan is not None:
             self._carry_out(plan, ids)
@@ -743,6 +802,8 @@ class LmsSession:
             self._wait_landing(ids)
 
     def _bring_in(self, ids: list[int]) -> None:
+        if self._events is not None:
+            self._events.read(ids, counted=False)
         plan = self._planner.bring_in(ids)
         if plan is not None:
             self._carry_out(plan, ids)
@@ -1165,7 +1226,12 @@ def _writes(func: Any) -> bool:
 
 
 def _unpack(saved: Any) -> Any:
-    return saved.tensor if isinstance(saved, _Saved) else saved
+    if not isinstance(saved, _Saved):
+        return saved
+    events = saved.session._events if saved.session is not None else None
+    if events is not None and events.mode != "off":
+        events.event(UNPACK)  # Note [Watching by events]
+    return saved.tensor
 
 
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:

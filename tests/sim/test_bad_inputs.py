@@ -94,6 +94,7 @@ ROWS: list[Row] = [
     Row("a flag", "tus.region('r', enable_cpu_backup='yes')", TypeError, "region(enable_cpu_backup): expected True or False"),
     Row("a flag", "tus.region('r', mode='managed', read_mostly='yes')", TypeError, "region(read_mostly): expected True or False"),
     Row("a flag", "tus.lms_session(2**30, quiet='no')", TypeError, "lms_session(quiet): expected True or False"),
+    Row("a way of watching", "tus.lms_session(2**30, watch='layers')", InvalidArgumentError, "lms_session: watch must be one of operators, modules, got 'layers'"),
     Row("an optimizer", "tus.step_in_backward(None)", TypeError, "step_in_backward(optimizer): expected a torch.optim.Optimizer, got None (NoneType)"),
     # Devices: Python reads PyTorch's spellings, the native registry checks the index.
     Row("a device", "tus.memory_stats(device='bogus')", InvalidArgumentError, "device: 'bogus' is not a device; expected an index, 'cuda', 'cuda:<index>' or a torch.device"),

@@ -1,0 +1,177 @@
+"""lms_session(watch="modules") on CPU tensors: iterations that repeat the recorded one are
+watched by module hooks and autograd's events instead of every operator, and train exactly as
+the session that watches every operator (Note [Watching by events] in lms_events.py)."""
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from lms_training import SMALL, make_model, train
+
+import torch_uvm_saver as tus
+from torch_uvm_saver import errors
+
+session_module = importlib.import_module("torch_uvm_saver.lms_session")
+
+
+def session_for(model, optimizer, budget=200_000, watch="modules"):
+    return tus.lms_session(
+        10 * budget, [model], [optimizer], device="cpu", budget=budget, min_bytes=SMALL, watch=watch
+    )
+
+
+@contextlib.contextmanager
+def counting_dispatched_operators():
+    counts = []
+    original = session_module._Dispatch.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not self.session._in_optimizer_step:
+            counts[-1] += 1
+        return original(self, func, types, args, kwargs)
+
+    session_module._Dispatch.__torch_dispatch__ = counted
+    try:
+        yield counts
+    finally:
+        session_module._Dispatch.__torch_dispatch__ = original
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointing"])
+def test_repeated_iterations_are_watched_by_events_and_train_bit_for_bit(checkpoint):
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer, steps=6, checkpoint=checkpoint)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer)
+    losses, pages = [], []
+    with counting_dispatched_operators() as dispatched:
+        for _ in range(6):
+            dispatched.append(0)
+            before = session.stats()["pageout_count"]
+            losses += train(model, optimizer, session, steps=1, checkpoint=checkpoint)
+            pages.append(session.stats()["pageout_count"] - before)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    # The first iteration makes AdamW's state, so the second is recorded again; then events.
+    assert stats["event_recordings"] == 2 and stats["event_iterations"] == 4
+    assert stats["event_deviations"] == 0
+    # Watched by events, an iteration passes only the optimizer's step through the dispatch
+    # mode, and still pages under the budget.
+    assert dispatched[1] > 0 and dispatched[2:] == [0, 0, 0, 0]
+    assert all(count > 0 for count in pages[2:])
+
+
+def test_events_page_as_much_as_operators_do():
+    def moved(watch):
+        model, optimizer = make_model()
+        session = session_for(model, optimizer, watch=watch)
+        train(model, optimizer, session, steps=6)
+        stats = session.stats()
+        session.close()
+        return stats["pageout_bytes"], stats["event_iterations"]
+
+    by_operators, _ = moved("operators")
+    by_events, acted = moved("modules")
+    assert acted == 4
+    # One position for all that an event's operators read, and storages made between events
+    # paging others out while all the window's reads stay, page more (1.36x here), but not
+    # half as much again.
+    assert by_events < by_operators * 3 / 2
+
+
+def test_an_iteration_that_differs_is_watched_by_operators_from_there_and_recorded_again():
+    # The fourth iteration runs a seventh block, which the others skip: its pre-hook is not the
+    # recorded event (autograd's first unpack), so that block's operators and the rest run
+    # under the dispatch mode. (Running a block fewer would not be caught before the loss read
+    # what the record did not: Note [Watching by events].)
+    def layers_at(step):
+        return 7 if step == 3 else 6
+
+    reference_model, reference_optimizer = make_model(layers=7)
+    reference = train(reference_model, reference_optimizer, steps=7, layers_at=layers_at)
+    model, optimizer = make_model(layers=7)
+    session = session_for(model, optimizer)
+    losses = train(model, optimizer, session, steps=7, layers_at=layers_at)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    # Steps 0 and 1 recorded, 2 by events; 3 left the record, so 4 recorded, 5 and 6 by events.
+    assert stats["event_deviations"] == 1
+    assert stats["event_recordings"] == 3 and stats["event_iterations"] == 3
+
+
+def test_an_iteration_that_fails_is_followed_by_recorded_ones():
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer, steps=8, fail_at=3)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer)
+    losses = train(model, optimizer, session, steps=8, fail_at=3)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    # 0 and 1 recorded, 2 by events; 3 fails while watched by events (fewer events than
+    # recorded: a deviation). 4 is recorded, but the failed iteration's graph still holds the
+    # input that 4 saves again (until `loss` is assigned anew), a storage that iteration 3
+    # took: nothing could name it in the next one, so the record is not used. 5 is recorded;
+    # 6 and 7 by events.
+    assert stats["event_deviations"] == 1
+    assert stats["event_recordings"] == 3 and stats["event_iterations"] == 3
+
+
+@pytest.mark.parametrize("free_gradients", [False, True])
+def test_steps_in_the_backward_are_watched_as_steps(free_gradients):
+    reference_model, reference_optimizer = make_model(groups=True)
+    tus.step_in_backward(reference_optimizer, free_gradients=free_gradients)
+    reference = train(reference_model, reference_optimizer, steps=6)
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer)
+    tus.step_in_backward(optimizer, free_gradients=free_gradients)
+    losses = train(model, optimizer, session, steps=6)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    assert stats["event_iterations"] == 4 and stats["pageout_count"] > 0
+
+
+def test_watch_must_name_a_way_of_watching():
+    model, optimizer = make_model()
+    with pytest.raises(errors.InvalidArgumentError, match="watch must be one of operators"):
+        session_for(model, optimizer, watch="layers")
+    with pytest.raises(errors.InvalidArgumentError, match="watch must be one of"):
+        session_for(model, optimizer, watch=None)
+
+
+def test_a_backward_that_differs_stops_with_a_clear_error_and_loses_nothing():
+    # The fourth iteration freezes one layer's weight: its forward runs the recorded events,
+    # its backward saves and unpacks fewer tensors. Autograd would drop a dispatch mode entered
+    # there at its next node, so the iteration stops with an error instead.
+    model, optimizer = make_model()
+    session = session_for(model, optimizer)
+    train(model, optimizer, session, steps=3)
+    frozen = model[2][0].weight
+    session.fetch_all()
+    before = [p.detach().clone() for p in model.parameters()]
+    frozen.requires_grad_(False)
+    with pytest.raises(errors.InvalidStateError, match="backward differs from the recorded"):
+        train(model, optimizer, session, steps=1)
+    frozen.requires_grad_(True)
+    optimizer.zero_grad(set_to_none=True)
+    session.fetch_all()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    stats = session.stats()
+    assert stats["event_deviations"] == 1
+    losses = train(model, optimizer, session, steps=3)
+    after = session.stats()
+    session.close()
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert after["event_recordings"] == stats["event_recordings"] + 1
+    assert after["event_iterations"] == stats["event_iterations"] + 2
