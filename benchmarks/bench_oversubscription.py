@@ -26,8 +26,11 @@ initializes, and no column's state may leak into the next):
                      fit under the limit); session.close() after the last step
   lms-v2-ckpt        the same + the gradient checkpointing of `checkpointing`
   lms-v2-host        lms-v2-ckpt + optimizer_state="host" (Adam's moments read in place on the host)
-  lms-v2-overlap     lms-v2-host + tus.step_in_backward(optimizer): each parameter group steps on
-                     a side stream as soon as the backward completes its gradients
+  lms-v2-overlap     lms-v2-ckpt with watch="modules" (Note [Watching by events]), the state
+                     placement of tus.suggest_placement(gradients_freed=True) and
+                     tus.step_in_backward(optimizer, free_gradients=True, modules=[model]): each
+                     parameter group steps on a side stream as soon as the backward completes
+                     its gradients (freed then), and each layer's forward waits for its step
   checkpointing      PyTorch's allocator, model.gradient_checkpointing_enable(
                      gradient_checkpointing_kwargs={"use_reentrant": False}) (fused AdamW)
   ckpt-save-on-cpu   checkpointing + torch.autograd.graph.save_on_cpu(pin_memory=True) around

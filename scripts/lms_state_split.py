@@ -7,6 +7,10 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
 
     python scripts/lms_state_split.py --limit-gib 16.66 [--shares 0,0.5,1] [--steps 4]
 
+    python scripts/lms_state_split.py --limit-gib 11.11 --one 0,1 --probe trace   (one
+        configuration, then one more step recorded with torch.profiler and laid out as
+        lms_step_timeline.py does; --probe cprofile, sample, ops: where the host's time goes)
+
 Prints one line a configuration (median step, the baseline's step over it, peak reserved, state
 on the host, bytes the session moved a step: page-outs, clean ones that copy nothing included,
 page-ins and prefetches; the largest loss difference from the baseline) and a table last.
@@ -22,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -34,6 +39,18 @@ from profile_lms_session import step
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
 MARK = "SPLIT "
+PROBES = ("trace", "cprofile", "sample", "ops", "plans")
+COUNTED = (  # the session's counters reported per step
+    *MOVED,
+    "clean_pageout_bytes",
+    "prefetch_wasted",
+    "prefetch_failed",
+    "oom_events",
+    "oom_retries",
+    "over_budget_uses",
+    "event_iterations",
+    "event_deviations",
+)
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -50,7 +67,186 @@ def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
     return chosen
 
 
-def run_one(limit: int, share: float | None, free: bool, steps: int, warmup: int) -> dict:
+def print_samples(one, steps: int, interval: float = 0.0005) -> None:
+    """Where the host spends a step: the training thread's stack sampled from another thread
+    every `interval` seconds over `steps` steps (the switch interval lowered to match), each
+    function counted once per sample it is on the stack in. A sampler perturbs far less than
+    cProfile, which made this step a third slower."""
+    import collections
+    import threading
+
+    main = threading.get_ident()
+    inclusive: collections.Counter = collections.Counter()
+    leaves: collections.Counter = collections.Counter()
+    samples = 0
+    done = threading.Event()
+
+    def sampler() -> None:
+        nonlocal samples
+        while not done.is_set():
+            time.sleep(interval)
+            frame = sys._current_frames().get(main)
+            seen = set()
+            leaf = True
+            while frame is not None:
+                code = frame.f_code
+                name = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+                if leaf:
+                    leaves[name] += 1
+                    leaf = False
+                if name not in seen:
+                    seen.add(name)
+                    inclusive[name] += 1
+                frame = frame.f_back
+            samples += 1
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    thread = threading.Thread(target=sampler, daemon=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    thread.start()
+    for _ in range(steps):
+        one()
+    torch.cuda.synchronize()
+    done.set()
+    thread.join()
+    wall = time.perf_counter() - start
+    sys.setswitchinterval(switch)
+    print(f"sampled {samples} times over {steps} steps ({wall / steps:.3f} s a step)")
+    print("on the stack (share of samples):")
+    for name, count in inclusive.most_common(45):
+        print(f"  {count / samples:6.1%}  {name}")
+    print("innermost Python frame:")
+    for name, count in leaves.most_common(25):
+        print(f"  {count / samples:6.1%}  {name}")
+
+
+def print_operator_times(one, steps: int, session: bool) -> None:
+    """Host time of each operator (its call into PyTorch from a dispatch mode: the kernel's
+    launch and whatever PyTorch's allocator does for it), summed by operator over `steps` steps,
+    and what the allocator did a step. Under the session its own mode is timed; without one
+    (the baseline) an empty dispatch mode that only times is entered around each step, so the
+    step time it prints is the baseline's plus what any Python dispatch mode costs."""
+    import collections
+    import importlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spent: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+
+    def timed_call(func, args, kwargs):
+        start = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            spent[str(func)] += time.perf_counter() - start
+            calls[str(func)] += 1
+
+    class Timing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            return timed_call(func, args, kwargs or {})
+
+    lms_session = importlib.import_module("torch_uvm_saver.lms_session")
+    run = lms_session.LmsSession._run
+    keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    before = torch.cuda.memory_stats()
+    lms_session.LmsSession._run = lambda self, func, args, kwargs, ids: timed_call(
+        func, args, kwargs
+    )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        for _ in range(steps):
+            with contextlib.nullcontext() if session else Timing():
+                one()
+    finally:
+        lms_session.LmsSession._run = run
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    after = torch.cuda.memory_stats()
+    print("allocator a step:", {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in keys})
+    total = sum(spent.values()) / steps
+    print(
+        f"step {wall * 1e3:.1f} ms; operators' host time {total * 1e3:.1f} ms a step over "
+        f"{sum(calls.values()) // steps} operators"
+    )
+    for name, seconds in spent.most_common(25):
+        print(
+            f"  {seconds / steps * 1e3:8.2f} ms  {calls[name] // steps:6d} calls  "
+            f"{seconds / calls[name] * 1e6:8.1f} us each  {name}"
+        )
+
+
+PLANNER_CALLS = (  # what changes a planner: logged with their arguments and results
+    "add",
+    "remove",
+    "make_persistent",
+    "before_use",
+    "bring_in",
+    "make_room",
+    "prefetch_failed",
+    "evict_all",
+    "bring_all_in",
+    "end_iteration",
+    "coarsen",
+)
+
+
+def log_planner_calls(log: list) -> None:
+    """From now on every planner a session makes logs each call that changes it, so that a run
+    can be replayed offline on another planner (the probe "plans")."""
+    import importlib
+
+    session_module = importlib.import_module("torch_uvm_saver.lms_session")
+    real = session_module._C
+
+    class LoggingPlanner:
+        def __init__(self, budget: int) -> None:
+            object.__setattr__(self, "_planner", real.RelocationPlanner(budget))
+            log.append(["new", budget])
+
+        def __getattr__(self, name):
+            return getattr(self._planner, name)
+
+        def __setattr__(self, name, value) -> None:
+            log.append(["set", name, value])
+            setattr(self._planner, name, value)
+
+        def __contains__(self, block) -> bool:
+            return block in self._planner
+
+    def logged(name):
+        def call(self, *args):
+            result = getattr(self._planner, name)(*args)
+            log.append([name, list(args), result])
+            return result
+
+        return call
+
+    for name in PLANNER_CALLS:
+        setattr(LoggingPlanner, name, logged(name))
+
+    class Bindings:
+        RelocationPlanner = LoggingPlanner
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    session_module._C = Bindings()
+
+
+def run_one(
+    limit: int,
+    share: float | None,
+    free: bool,
+    steps: int,
+    warmup: int,
+    probe: str | None = None,
+    watch: str = "operators",
+    quiet: bool = True,
+) -> dict:
     import torch_uvm_saver as tus
 
     spec = child.model_spec(
@@ -62,9 +258,17 @@ def run_one(limit: int, share: float | None, free: bool, steps: int, warmup: int
     optimizer, _ = child.make_optimizer(child.LMS_V2_CKPT if not baseline else child.NATIVE, model)
     ids = torch.randint(child.VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0)).cuda()
     session = None
+    planner_log: list = []
+    if probe == "plans":
+        log_planner_calls(planner_log)
     if not baseline:
         session = tus.lms_session(
-            limit, [model], [optimizer], optimizer_state=host_groups(optimizer, share)
+            limit,
+            [model],
+            [optimizer],
+            optimizer_state=host_groups(optimizer, share),
+            watch=watch,
+            quiet=quiet,
         )
         tus.step_in_backward(optimizer, free_gradients=free)
     torch.cuda.reset_peak_memory_stats()
@@ -91,6 +295,41 @@ def run_one(limit: int, share: float | None, free: bool, steps: int, warmup: int
         after = session.stats()
         out["moved_gb"] = sum(after[k] - before[k] for k in MOVED) / steps / 1e9
         out["host_gib"] = after["host_placed_bytes"] / GiB
+        out["per_step"] = {k: (after[k] - before[k]) / steps for k in COUNTED}
+        out["capped_positions"] = after["capped_positions"]
+    if probe == "cprofile":
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        torch.cuda.synchronize()
+        profiler.enable()
+        one()
+        torch.cuda.synchronize()
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+    if probe == "sample":
+        print_samples(one, steps)
+    if probe == "plans":
+        path = os.environ.get("SPLIT_PLANS", "plans.json")
+        with open(path, "w") as f:
+            json.dump(planner_log, f)
+        print(f"{len(planner_log)} planner calls written to {path}")
+    if probe == "ops":
+        print_operator_times(one, steps, session is not None)
+    if probe == "trace":
+        from lms_step_timeline import analyse
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+            one()
+            torch.cuda.synchronize()
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        recorded.export_chrome_trace(path)
+        with open(path) as f:
+            analyse(json.load(f)["traceEvents"], 50.0, 12)
     return out
 
 
@@ -101,15 +340,31 @@ def main() -> None:
     parser.add_argument("--free", default="1,0", help="free_gradients values to try")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # "share,free" or "baseline"
+    parser.add_argument("--one", help='one configuration only: "share,free" or "baseline"')
+    parser.add_argument("--watch", default="operators", help="the session's watch option")
+    parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
+    parser.add_argument(
+        "--probe",
+        choices=PROBES,
+        help="with --one: then lay out one more step (trace), cProfile one, or sample --steps",
+    )
     args = parser.parse_args()
     limit = int(args.limit_gib * GiB)
     if args.one is not None:
         if args.one == "baseline":
-            result = run_one(limit, None, False, args.steps, args.warmup)
+            result = run_one(limit, None, False, args.steps, args.warmup, args.probe)
         else:
             share, free = args.one.split(",")
-            result = run_one(limit, float(share), free == "1", args.steps, args.warmup)
+            result = run_one(
+                limit,
+                float(share),
+                free == "1",
+                args.steps,
+                args.warmup,
+                args.probe,
+                args.watch,
+                not args.no_quiet,
+            )
         print(MARK + json.dumps(result), flush=True)
         return
     configs = ["baseline"] + [
@@ -118,6 +373,7 @@ def main() -> None:
     rows = []
     for config in configs:
         command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib), "--one", config]
+        command += ["--watch", args.watch] + (["--no-quiet"] if args.no_quiet else [])
         command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
