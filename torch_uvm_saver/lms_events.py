@@ -94,7 +94,6 @@ class EventWatch:
         self._needs_recording = True
         self._index = 0  # the next event, acting
         self._coarse = 0  # the last coarse position, recording
-        self._window_counted = False  # the last event's reads took a position, recording
         self._step_depth = 0
         self._depth: int | None = None  # the session's prefetch_depth while acting on events
         self._dispatch: list[Any] = []  # dispatch modes entered mid-iteration
@@ -117,12 +116,17 @@ class EventWatch:
 
     def _hook(self, signature: tuple) -> Any:
         def hook(*_: object) -> None:
-            if self.mode is not OFF:
+            if self.watching:
                 self.event(signature)
 
         return hook
 
     # -- the iteration -------------------------------------------------------------------------
+
+    @property
+    def watching(self) -> bool:
+        """Whether an iteration is under way (recorded, acted on, or left)."""
+        return self.mode is not OFF
 
     @property
     def acting(self) -> bool:
@@ -196,7 +200,6 @@ class EventWatch:
     def event(self, signature: tuple) -> None:
         if self.mode is RECORD:
             self._recording.add_event(signature)
-            self._window_counted = False
         elif self.mode is ACT:
             k = self._index
             self._index += 1
@@ -228,7 +231,7 @@ class EventWatch:
         if self._step_depth == 1 and self.mode is ACT and self._dispatch:
             self._dispatch.pop().__exit__(None, None, None)
         self._step_depth = max(self._step_depth - 1, 0)
-        if self._step_depth == 0 and self.mode is not OFF:
+        if self._step_depth == 0 and self.watching:
             self.event(STEP)
 
     def _deviate(self) -> None:
@@ -274,13 +277,12 @@ class EventWatch:
             return
         recording = self._recording
         if counted:
-            if self._step_depth or not self._window_counted:
+            if self._step_depth or not recording.counted[-1]:
                 self._coarse += 1
             recording.positions.append(self._coarse)
         if self._step_depth:
             return  # steps are watched by operators when acting too
         if counted:
-            self._window_counted = True
             recording.counted[-1] = True
         refs = self._refs(ids)
         current = recording.reads[-1]

@@ -1229,7 +1229,7 @@ def _unpack(saved: Any) -> Any:
     if not isinstance(saved, _Saved):
         return saved
     events = saved.session._events if saved.session is not None else None
-    if events is not None and events.mode != "off":
+    if events is not None and events.watching:
         events.event(UNPACK)  # Note [Watching by events]
     return saved.tensor
 

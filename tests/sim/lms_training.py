@@ -6,6 +6,8 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 
+import torch_uvm_saver as tus
+
 SMALL = 4096  # min_bytes: every weight and activation below is managed
 
 
@@ -45,3 +47,16 @@ def train(model, optimizer, session=None, steps=3, checkpoint=False, layers_at=N
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
     return losses
+
+
+def session_for(model, optimizer, budget=200_000, limit=None, **options):
+    """A CPU session over the model and optimizer (limit: 10 x budget unless given)."""
+    return tus.lms_session(
+        limit if limit is not None else 10 * budget,
+        [model],
+        [optimizer],
+        device="cpu",
+        budget=budget,
+        min_bytes=SMALL,
+        **options,
+    )

@@ -8,18 +8,12 @@ import importlib
 import pytest
 import torch
 import torch.utils.checkpoint
-from lms_training import SMALL, make_model, train
+from lms_training import make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
 
 session_module = importlib.import_module("torch_uvm_saver.lms_session")
-
-
-def session_for(model, optimizer, budget=200_000, watch="modules"):
-    return tus.lms_session(
-        10 * budget, [model], [optimizer], device="cpu", budget=budget, min_bytes=SMALL, watch=watch
-    )
 
 
 @contextlib.contextmanager
@@ -44,7 +38,7 @@ def test_repeated_iterations_are_watched_by_events_and_train_bit_for_bit(checkpo
     reference_model, reference_optimizer = make_model()
     reference = train(reference_model, reference_optimizer, steps=6, checkpoint=checkpoint)
     model, optimizer = make_model()
-    session = session_for(model, optimizer)
+    session = session_for(model, optimizer, watch="modules")
     losses, pages = [], []
     with counting_dispatched_operators() as dispatched:
         for _ in range(6):
@@ -95,7 +89,7 @@ def test_an_iteration_that_differs_is_watched_by_operators_from_there_and_record
     reference_model, reference_optimizer = make_model(layers=7)
     reference = train(reference_model, reference_optimizer, steps=7, layers_at=layers_at)
     model, optimizer = make_model(layers=7)
-    session = session_for(model, optimizer)
+    session = session_for(model, optimizer, watch="modules")
     losses = train(model, optimizer, session, steps=7, layers_at=layers_at)
     stats = session.stats()
     session.close()
@@ -111,7 +105,7 @@ def test_an_iteration_that_fails_is_followed_by_recorded_ones():
     reference_model, reference_optimizer = make_model()
     reference = train(reference_model, reference_optimizer, steps=8, fail_at=3)
     model, optimizer = make_model()
-    session = session_for(model, optimizer)
+    session = session_for(model, optimizer, watch="modules")
     losses = train(model, optimizer, session, steps=8, fail_at=3)
     stats = session.stats()
     session.close()
@@ -131,7 +125,7 @@ def test_steps_in_the_backward_are_watched_as_steps(free_gradients):
     tus.step_in_backward(reference_optimizer, free_gradients=free_gradients)
     reference = train(reference_model, reference_optimizer, steps=6)
     model, optimizer = make_model(groups=True)
-    session = session_for(model, optimizer)
+    session = session_for(model, optimizer, watch="modules")
     tus.step_in_backward(optimizer, free_gradients=free_gradients)
     losses = train(model, optimizer, session, steps=6)
     stats = session.stats()
@@ -155,7 +149,7 @@ def test_a_backward_that_differs_stops_with_a_clear_error_and_loses_nothing():
     # its backward saves and unpacks fewer tensors. Autograd would drop a dispatch mode entered
     # there at its next node, so the iteration stops with an error instead.
     model, optimizer = make_model()
-    session = session_for(model, optimizer)
+    session = session_for(model, optimizer, watch="modules")
     train(model, optimizer, session, steps=3)
     frozen = model[2][0].weight
     session.fetch_all()

@@ -4,16 +4,10 @@ scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams in
 import pytest
 import torch
 import torch.utils.checkpoint
-from lms_training import SMALL, make_model, train
+from lms_training import SMALL, make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
-
-
-def session_for(model, optimizer, budget):
-    return tus.lms_session(
-        10 * budget, [model], [optimizer], device="cpu", budget=budget, min_bytes=SMALL
-    )
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointing"])
@@ -250,15 +244,7 @@ def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_sam
     reference_model, reference_optimizer = make_model()
     reference = train(reference_model, reference_optimizer)
     model, optimizer = make_model()
-    session = tus.lms_session(
-        10**9,
-        [model],
-        [optimizer],
-        device="cpu",
-        budget=200_000,
-        min_bytes=SMALL,
-        optimizer_state="host",
-    )
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
     losses = train(model, optimizer, session)
     stats = session.stats()
     session.close()
@@ -410,24 +396,11 @@ def test_auto_placement_follows_suggest_placement():
 
 
 def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_stays():
-    def grouped():
-        model, _ = make_model()
-        groups = [{"params": list(block.parameters())} for block in model]
-        return model, torch.optim.AdamW(groups, lr=1e-3)
-
-    reference_model, reference_optimizer = grouped()
+    reference_model, reference_optimizer = make_model(groups=True)
     reference = train(reference_model, reference_optimizer)
-    model, optimizer = grouped()
+    model, optimizer = make_model(groups=True)
     on_host = optimizer.param_groups[-2:]
-    session = tus.lms_session(
-        10**9,
-        [model],
-        [optimizer],
-        device="cpu",
-        budget=200_000,
-        min_bytes=SMALL,
-        optimizer_state=on_host,
-    )
+    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
     losses = train(model, optimizer, session)
     stats = session.stats()
     session.close()
