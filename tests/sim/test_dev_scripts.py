@@ -1,6 +1,7 @@
 """The parts of the developer scripts under scripts/ that decide what a measurement says: the
-replay that names why PyTorch's allocator retried (lms_allocator_retries.py) and which files an
-A/B swaps (ab_python_change.py). Both run here without a GPU."""
+replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
+A/B swaps (ab_python_change.py), and the replay of a session's planner calls
+(replay_planner.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ab_python_change  # noqa: E402
 import lms_allocator_retries  # noqa: E402
+import replay_planner  # noqa: E402
 
 GiB = 1 << 30
 KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
+PLANNER_LOG = ROOT / "benchmarks/results/lms_planner_log_xl_2x_NVIDIA_H100_80GB_HBM3.json.gz"
 
 
 def snapshot(trace: list[tuple[str, int, int]], reserved: int = 10 * GiB) -> dict:
@@ -107,3 +110,19 @@ def test_an_ab_against_a_folder_refuses_a_native_difference(base_tree):
     source.write_text(source.read_text() + "\n// the base differs\n")
     with pytest.raises(SystemExit, match="native core differs"):
         ab_python_change.changed_python_files(str(base_tree))
+
+
+def test_the_kept_xl_planner_log_replays_to_the_same_plans():
+    # GPT-2 XL at 2x on an H100, all the state on the device, logged by lms_state_split.py
+    # --probe plans. The planner decides from its calls alone, so this build's planner returns
+    # what the GPU run's did; a change to its policy fails here first (log the run again).
+    import gzip
+    import json
+
+    with gzip.open(PLANNER_LOG, "rt") as f:
+        log = json.load(f)
+    iterations, differences = replay_planner.replay(log, verify=True)
+    assert differences == 0
+    steady = {k: iterations[5][k] - iterations[4][k] for k in iterations[5]}
+    assert steady["pagein_bytes"] == 0  # every page-in a prefetch
+    assert round(steady["prefetch_bytes"] / 1e9, 2) == 6.04
