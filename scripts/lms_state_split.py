@@ -9,7 +9,11 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
 
     python scripts/lms_state_split.py --limit-gib 11.11 --one 0,1 --probe trace   (one
         configuration, then one more step recorded with torch.profiler and laid out as
-        lms_step_timeline.py does; --probe cprofile, sample, ops: where the host's time goes)
+        lms_step_timeline.py does; --probe cprofile, sample, ops: where the host's time goes;
+        --probe plans: every planner call of the run, as JSON, to the file SPLIT_PLANS names
+        (default plans.json), for scripts/replay_planner.py)
+
+--watch modules and --no-quiet pass watch="modules" and quiet=False to the session.
 
 Prints one line a configuration (median step, the baseline's step over it, peak reserved, state
 on the host, bytes the session moved a step: page-outs, clean ones that copy nothing included,
