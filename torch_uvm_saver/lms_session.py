@@ -83,6 +83,18 @@ Note [Other streams]
     copy waits for them, and a page-out that copies nothing marks the block in use on them
     (record_stream), so PyTorch's allocator hands it out only once they are past it.
 
+Note [One pool]
+    PyTorch's allocator keeps a pool of cached blocks per stream: a block freed by work on a
+    side stream is handed out again only on that stream. Pages brought in while a side stream is
+    current (the optimizer's steps of step_in_backward read the state paged out) would leave
+    their blocks in that stream's pool once paged out again, out of the compute stream's reach;
+    under the limit the allocator then frees every cached block, synchronizing all streams, to
+    serve the compute stream (2.5 to 3 such retries a step were counted on GPT-2 XL at 3x). So a
+    page-in takes its block from the compute stream's pool whatever stream is current, marks it
+    in use on that stream (record_stream), and has that stream wait for the compute stream's
+    work queued so far (the block's last tenant may be part of it) before writing. The staged
+    optimizer state does the same (Note [Staging the state on the host]).
+
 Note [Expandable segments]
     Paging under a limit frees and takes blocks of every size all the time. PyTorch's allocator
     by default carves blocks out of fixed segments, and a large request (a loss's logits) can
@@ -112,20 +124,21 @@ Note [Storages made before the session]
     out.
 
 Note [Optimizer state on the host]
-    With ``optimizer_state="host"`` the state each optimizer creates (Adam's moments) is moved,
-    after the iteration that created it, into managed memory (``tus.manage_memory``) advised to
-    prefer the host and to stay mapped on the device: the optimizer's step reads and writes it
-    in place over the link, once a step, with no page-out or page-in, and none of it counts
-    under the limit. The parameters, gradients and activations stay under the session. That is
+    With ``optimizer_state="host"`` the state each optimizer creates (Adam's moments) moves,
+    after the iteration that created it, to page-locked host memory, and none of it counts
+    under the limit: each step stages the state it reads through the device, or reads it in
+    place over the link (Note [Staging the state on the host] in host_state.py says when, and
+    why staging). The parameters, gradients and activations stay under the session. That is
     the placement per region of ARCHITECTURE decision 11 for training: state touched once a
-    step is read where it lies, what is read several times moves. The step's speed then hangs
-    on the link (a fused optimizer reads and writes each byte once). ``optimizer_state`` may
-    also name parameter groups (the dicts of ``optimizer.param_groups``): only their state goes
-    to the host and the rest is paged with everything else, so the link carries only what does
-    not fit. ``suggest_placement`` names the last groups (a backward completes them first, and
-    with ``step_in_backward`` their steps overlap the most of it) until the parameters, the
-    gradients and the state left on the device take 3/4 of the limit. Managed memory comes from
-    the library's managed mode, so its safety rule (no more than the card has free) applies.
+    step crosses the link once each way a step, what is read several times is paged. The
+    step's speed then hangs on the link. ``optimizer_state`` may also name parameter groups
+    (the dicts of ``optimizer.param_groups``): only their state goes to the host and the rest
+    is paged with everything else, so the link carries only what does not fit.
+    ``suggest_placement`` names the last groups (a backward completes them first, and with
+    ``step_in_backward`` their steps overlap the most of it) until the parameters, the
+    gradients and the state left on the device take 3/4 of the limit. Between steps the
+    optimizer holds device tensors over the host bytes (``host_state.is_on_host`` says which),
+    so reading them anywhere reads the right bytes; ``close()`` leaves them there.
 
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
@@ -149,6 +162,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
+from .host_state import HostState, is_on_host
 from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
 from .lms_events import UNPACK, WATCH_MODES, EventWatch
 from .segment_move import byte_view as _byte_view
@@ -159,6 +173,10 @@ __all__ = ["LmsSession", "lms_session", "suggest_placement"]
 MiB = 1 << 20
 DEFAULT_MIN_BYTES = 1 * MiB
 DEFAULT_RESERVE_DIVISOR = 8  # budget = limit - limit / 8 until out-of-memory says otherwise
+# A step stages the host's optimizer state it reads on the device when that is at most
+# limit / 8 (Note [Staging the state on the host]): a group's under step_in_backward, not a
+# whole model's.
+STAGING_DIVISOR = 8
 QUIET_HEADROOM_DIVISOR = 16  # quiet only while the allocator stayed under limit - limit / 16
 OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is left to free
 # PyTorch checks its memory fraction against a request's rounded size, but an expandable segment
@@ -369,7 +387,7 @@ class LmsSession:
         self._moves_at_enter = 0
         self._peak_at_enter = 0
         self._quiet_iterations = 0
-        self._placed_bytes = 0
+        self._host_state = HostState(self.device, self.limit // STAGING_DIVISOR)
         self._context: list[Any] = []
         self._handles: list[Any] = []
         self._oom_retries = 0
@@ -381,6 +399,7 @@ class LmsSession:
         self._total = 0
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw handle -> Stream
         if self._cuda:
+            self._compute_stream = torch.cuda.default_stream(self.device)
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
             self._prepare_allocator()
@@ -502,6 +521,7 @@ class LmsSession:
             if limited:  # still open: the limit stays what the caller set
                 self._set_fraction()
             raise
+        self._host_state.synchronize()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -535,7 +555,12 @@ class LmsSession:
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
         out["quiet_iterations"] = self._quiet_iterations
-        out["host_placed_bytes"] = self._placed_bytes
+        host = self._host_state
+        out["host_placed_bytes"] = host.placed_bytes
+        out["host_staged_steps"] = host.staged_steps
+        out["host_staged_bytes"] = host.staged_bytes
+        out["host_in_place_steps"] = host.in_place_steps
+        out["host_staging_fallbacks"] = host.staging_fallbacks
         events = self._events
         out["event_iterations"] = events.iterations_acted if events is not None else 0
         out["event_recordings"] = events.recordings if events is not None else 0
@@ -582,6 +607,8 @@ class LmsSession:
             return f"its storage has {storage.nbytes()} bytes, under min_bytes={self.min_bytes}"
         if self._cuda and torch.cuda.is_current_stream_capturing():
             return "a CUDA graph is being captured"
+        if is_on_host(t) or self._host_state.is_staged(t):
+            return "it is optimizer state on the host (Note [Staging the state on the host])"
         return None
 
     def _add(self, t: torch.Tensor, persistent: bool, what: str) -> int:
@@ -658,12 +685,18 @@ class LmsSession:
         ):
             self._add(grad, persistent=False, what="gradient")
 
-    def _optimizer_starts(self, *_: object) -> None:
+    def _optimizer_starts(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self._host_state.placed_bytes:
+            with self._own_operators():
+                self._host_state.stage_in(optimizer)
         self._in_optimizer_step = self._active
         if self._events is not None and self._active and not self._quiet:
             self._events.step_starts()
 
     def _optimizer_ends(self, *_: object) -> None:
+        if self._host_state.placed_bytes:
+            with self._own_operators():
+                self._host_state.stage_out()
         self._in_optimizer_step = False
         if self._events is not None and self._active and not self._quiet:
             self._events.step_ends()
@@ -685,7 +718,11 @@ class LmsSession:
             self._place_on_host(optimizer)
         for state in optimizer.state.values():
             for value in state.values():
-                if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.layout != torch.strided
+                    or is_on_host(value)
+                ):
                     continue
                 block = _storage_id(value)
                 entry = self._entries.get(block)
@@ -701,20 +738,19 @@ class LmsSession:
                     self._planner.make_persistent(block)
 
     def _place_on_host(self, optimizer: torch.optim.Optimizer) -> None:
-        """Note [Optimizer state on the host]: each state tensor moves into managed memory that
-        prefers the host and stays mapped on the device, out of the session's hands."""
-        from .managed import advise, is_managed, manage_memory, prefetch
-
+        """Note [Optimizer state on the host]: each state tensor of the host groups moves to the
+        host, out of the session's hands, staged for each step (Note [Staging the state on the
+        host] in host_state.py)."""
         on_host = {id(p) for group in self._host_groups for p in group["params"]}
         for parameter, state in optimizer.state.items():
             if id(parameter) not in on_host:
                 continue
-            for key, value in state.items():
+            for key, value in list(state.items()):
                 if (
                     not isinstance(value, torch.Tensor)
                     or value.device != self.device
                     or value.nbytes < self.min_bytes
-                    or is_managed(value)
+                    or is_on_host(value)
                 ):
                     continue
                 block = _storage_id(value)
@@ -723,11 +759,7 @@ class LmsSession:
                         with self._own_operators():
                             self._page_in(block)
                     self._drop(block)
-                placed = manage_memory(value)
-                advise(placed, preferred_location="cpu", accessed_by=self.device)
-                prefetch(placed, "cpu")
-                state[key] = placed
-                self._placed_bytes += placed.nbytes
+                self._host_state.place(parameter, state, key)
 
     def _sweep(self) -> None:
         """Forget storages that died (gradients set to None, optimizer temporaries)."""
@@ -934,7 +966,7 @@ class LmsSession:
         if live is None:
             return
         entry, storage = live
-        storage.resize_(entry.nbytes)  # a fresh block, on the current stream, wherever it fits
+        self._take_device_memory(storage, entry.nbytes)
         device_bytes = _byte_view(storage)
         if self._cuda:
             current = self._current_stream()
@@ -960,7 +992,7 @@ class LmsSession:
                 continue
             entry, storage = live
             try:
-                storage.resize_(entry.nbytes)
+                self._take_device_memory(storage, entry.nbytes)
             except torch.OutOfMemoryError:
                 # Ahead of need only: no room after all, so this and the rest stay out (their
                 # bytes untouched) and come in on demand.
@@ -1037,6 +1069,19 @@ class LmsSession:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _take_device_memory(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A fresh block for a paged-out storage, wherever it fits (Note [One pool]: from the
+        compute stream's pool even while a side stream is current)."""
+        current = self._current_stream() if self._cuda else None
+        if current is None or current == self._compute_stream:
+            storage.resize_(nbytes)
+            return
+        with torch.cuda.stream(self._compute_stream):
+            storage.resize_(nbytes)
+        _byte_view(storage).record_stream(current)  # freed for reuse once it is past it
+        # The block's last tenant on the compute stream is done before the side stream writes.
+        current.wait_stream(self._compute_stream)
 
     def _own_operators(self) -> _Busy:
         return _Busy(self)

@@ -42,9 +42,11 @@ Note [Stepping in the backward]
     the parameters), it does not: each module's forward waits, just before it runs, for the steps
     of the groups that hold its own parameters, so the steps still running when the backward
     ends (the last layers', completed first) overlap the next forward's first layers too. Groups
-    whose state lies in managed memory (``optimizer_state`` on the host: their steps take as
-    long as the link) step on a second side stream, so the other groups' steps, which the first
-    layers wait for, do not queue behind them. Anything else that reads the parameters before
+    whose state lies on the host (``optimizer_state`` on the host, or managed memory: their
+    steps take as long as the link) step on two more side streams, in turn, so the other
+    groups' steps, which the first layers wait for, do not queue behind them, and one group's
+    state copied back to the host overlaps the next one's copied in (Note [Staging the state on
+    the host]). Anything else that reads the parameters before
     the forward reaches their module calls ``wait()`` first; the next backward and ``remove()``
     wait for whatever is left. It needs ``free_gradients=True``: a gradient kept after its step
     could be zeroed in place (``zero_grad(set_to_none=False)``) while the step still reads it.
@@ -66,6 +68,10 @@ from . import _C
 from .errors import InvalidArgumentError, InvalidStateError
 
 __all__ = ["StepInBackward", "step_in_backward"]
+
+# Side streams for the groups whose state is on the host, taken in turn: one group's copy back
+# to the host runs beside the next one's copy in (the link carries both directions at once).
+LINK_LANES = 2
 
 
 def step_in_backward(
@@ -133,9 +139,10 @@ class StepInBackward:
         ]
         self._handles.append(optimizer.register_step_pre_hook(self._user_step_starts))
         self._handles.append(optimizer.register_step_post_hook(self._user_step_ends))
-        # Groups with state in managed memory step on a lane of their own (Note [Stepping in
+        # Groups with state on the host step on lanes of their own, in turn (Note [Stepping in
         # the backward]); made when first needed.
-        self._link_stream: torch.cuda.Stream | None = None
+        self._link_streams: list[torch.cuda.Stream] = []
+        self._next_link = 0
         self._pending: dict[int, torch.cuda.Event] = {}  # group -> its step's end, not waited
         self._lazy = modules is not None
         if self._lazy:
@@ -243,22 +250,28 @@ class StepInBackward:
             parameter.grad = None
 
     def _lane(self, group: int) -> torch.cuda.Stream:
-        """The side stream of a group's step: the link's for state in managed memory."""
-        if self._state_is_managed(group):
-            if self._link_stream is None:
-                self._link_stream = torch.cuda.Stream(self.device)
-            return self._link_stream
+        """The side stream of a group's step: one of the link's for state on the host."""
+        if self._state_on_host(group):
+            if not self._link_streams:
+                self._link_streams = [torch.cuda.Stream(self.device) for _ in range(LINK_LANES)]
+            lane = self._link_streams[self._next_link]
+            self._next_link = (self._next_link + 1) % LINK_LANES
+            return lane
         return self.stream
 
-    def _state_is_managed(self, group: int) -> bool:
+    def _state_on_host(self, group: int) -> bool:
+        from .host_state import is_on_host
         from .managed import is_managed
 
+        # Any of the group's state tensors: Adam's step count (fused, on the device) stays.
         state = self.optimizer.state
-        for parameter in self._groups[group]["params"]:
-            for value in state.get(parameter, {}).values():
-                if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-                    return is_managed(value)
-        return False
+        return any(
+            isinstance(value, torch.Tensor)
+            and value.device.type == "cuda"
+            and (is_on_host(value) or is_managed(value))
+            for parameter in self._groups[group]["params"]
+            for value in state.get(parameter, {}).values()
+        )
 
     def _step_only(self, groups: list[dict[str, Any]]) -> None:
         optimizer = self.optimizer
@@ -298,5 +311,5 @@ class StepInBackward:
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)
-            if self._link_stream is not None:
-                current.wait_stream(self._link_stream)
+            for lane in self._link_streams:
+                current.wait_stream(lane)

@@ -182,11 +182,13 @@ def the_session_turns_expandable_segments_on_while_open() -> None:
 
 @scenario
 def optimizer_state_on_the_host_trains_bit_for_bit_under_the_limit() -> None:
-    # Adam's moments move into managed memory that prefers the host after the first step; the
-    # fused-less AdamW reads and writes them in place over the link from then on.
+    # Adam's moments move to page-locked host memory after the first step; each whole-model
+    # step stages them through the device when they fit in an eighth of the limit, or reads
+    # them in place over the link (Note [Staging the state on the host]).
     import torch
 
     import torch_uvm_saver as tus
+    from torch_uvm_saver.host_state import is_on_host
 
     expected = reference()
     limit = expected[2] // 2
@@ -205,8 +207,10 @@ def optimizer_state_on_the_host_trains_bit_for_bit_under_the_limit() -> None:
     ]
     print(f"peak {peak / MiB:.0f} MiB under {limit / MiB:.0f} MiB; {stats}")
     check_same_training(expected, (losses, params))
-    assert moments and all(tus.is_managed(m) for m in moments)
+    assert moments and all(is_on_host(m) for m in moments)
     assert stats["host_placed_bytes"] == sum(m.nbytes for m in moments)
+    steps_after_the_first = 3  # train()'s four steps; the first makes the state on the device
+    assert stats["host_staged_steps"] + stats["host_in_place_steps"] == steps_after_the_first
     assert peak <= limit, f"peak {peak} over the limit {limit}"
 
 
@@ -493,10 +497,12 @@ def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
     # modules= lets the next forward start before the groups' steps end: each layer waits for
     # its own group's step. Every step is held back on the side stream (a sleep queued before
     # it), so a layer that did not wait would read its parameters before their update. Then the
-    # same with half the groups' state on the host (their own lane) under a session.
+    # same with half the groups' state on the host (their own lanes, staged through the device
+    # a group at a time) under a session.
     import torch
 
     import torch_uvm_saver as tus
+    from torch_uvm_saver.host_state import is_on_host
 
     expected = reference(checkpoint=True)
     for limit in (None, expected[2] * 2 // 3):
@@ -530,14 +536,18 @@ def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
         assert all(all(row) for row in left), "gradients kept after their groups' steps"
         check_same_training(expected, (losses, params))
         if limit is not None:
-            managed = [
-                tus.is_managed(v)
+            placed = [
+                is_on_host(v)
                 for group in optimizer.param_groups
                 for p in group["params"]
                 for k, v in optimizer.state[p].items()
                 if k != "step" and v.nbytes >= MiB  # smaller ones stay where they are
             ]
-            assert managed == [False] * (len(managed) // 2) + [True] * (len(managed) // 2)
+            assert placed == [False] * (len(placed) // 2) + [True] * (len(placed) // 2)
+            # Each host group staged its state at each step after the first.
+            host_groups = len(optimizer.param_groups) - LAYERS // 2
+            assert stats["host_staged_steps"] == host_groups * 3, stats  # steps 2 to 4
+            assert stats["host_in_place_steps"] == 0, stats
         del model, optimizer
 
 

@@ -8,6 +8,7 @@ from lms_training import SMALL, make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
+from torch_uvm_saver.host_state import is_on_host
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointing"])
@@ -240,7 +241,7 @@ def test_an_error_in_a_quiet_iteration_makes_the_next_one_watched():
     session.close()
 
 
-def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_same():
+def test_optimizer_state_on_the_host_leaves_the_session_and_trains_the_same():
     reference_model, reference_optimizer = make_model()
     reference = train(reference_model, reference_optimizer)
     model, optimizer = make_model()
@@ -253,7 +254,7 @@ def test_optimizer_state_on_the_host_is_managed_read_in_place_and_trains_the_sam
         assert torch.equal(mine, theirs)
     moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     big = [m for m in moments if m.nbytes >= SMALL]
-    assert big and all(tus.is_managed(m) for m in big)
+    assert big and all(is_on_host(m) for m in big)
     assert stats["host_placed_bytes"] == sum(m.nbytes for m in big)
     # The session no longer holds the moments: what it registered is parameters and gradients.
     parameter_bytes = sum(p.nbytes for p in model.parameters() if p.nbytes >= SMALL)
@@ -413,7 +414,7 @@ def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_s
         for key, value in state.items():
             if key == "step" or value.nbytes < SMALL:
                 continue
-            assert tus.is_managed(value) == (id(parameter) in host_parameters), key
+            assert is_on_host(value) == (id(parameter) in host_parameters), key
             placed += value.nbytes if id(parameter) in host_parameters else 0
     assert placed > 0 and stats["host_placed_bytes"] == placed
 

@@ -1,0 +1,191 @@
+"""Optimizer state on the host, staged through the device for each step (Note [Staging the
+state on the host]): on CPU tensors, the bookkeeping without the link. Each test trains the
+same model with and without a session and asserts what a user sees: the same losses and
+parameters, the state where the session says it is, and the stats that say what each step did."""
+
+import contextlib
+
+import pytest
+import torch
+from lms_training import SMALL, make_model, session_for, train
+
+import torch_uvm_saver as tus
+from torch_uvm_saver import host_state
+from torch_uvm_saver.host_state import is_on_host
+
+STEPS = 4
+
+
+def moments(optimizer, groups=None):
+    """The state tensors a session may place on the host (all but the step counts), in the
+    parameters' order."""
+    chosen = optimizer.param_groups if groups is None else groups
+    return [
+        value
+        for group in chosen
+        for parameter in group["params"]
+        for key, value in optimizer.state.get(parameter, {}).items()
+        if key != "step" and value.nbytes >= SMALL
+    ]
+
+
+def reference(steps=STEPS, **options):
+    model, optimizer = make_model(groups=True)
+    return train(model, optimizer, steps=steps, **options), list(model.parameters()), optimizer
+
+
+def assert_same_training(losses, model, optimizer, expected):
+    want_losses, want_parameters, want_optimizer = expected
+    assert losses == want_losses
+    for mine, theirs in zip(model.parameters(), want_parameters):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(moments(optimizer), moments(want_optimizer)):
+        assert torch.equal(mine, theirs)
+
+
+def test_each_group_s_step_stages_its_state_and_training_is_the_same():
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
+    # One group a step, as on the GPU; the user's own step then has no gradient left to step.
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=STEPS)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    placed = moments(optimizer, on_host)
+    assert placed and all(is_on_host(m) for m in placed)
+    assert not any(is_on_host(m) for m in moments(optimizer, optimizer.param_groups[:-3]))
+    # The first step made the state on the device; each later one staged the three groups'.
+    assert stats["host_staged_steps"] == 3 * (STEPS - 1)
+    assert stats["host_staged_bytes"] == (STEPS - 1) * stats["host_placed_bytes"]
+    assert stats["host_in_place_steps"] == 0 and stats["host_staging_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_step_stages_at_most_an_eighth_of_the_limit_and_reads_more_in_place(fits):
+    model, optimizer = make_model()  # one parameter group: each step reads all the state
+    want = train(model, optimizer, steps=STEPS)
+    expected = (want, list(model.parameters()), optimizer)
+    model, optimizer = make_model()
+    state_bytes = 2 * sum(p.nbytes for p in model.parameters() if p.nbytes >= SMALL)
+    limit = 16 * state_bytes if fits else 4 * state_bytes
+    session = session_for(model, optimizer, limit=limit, budget=limit, optimizer_state="host")
+    losses = train(model, optimizer, session, steps=STEPS)
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["host_staged_steps"] == (STEPS - 1 if fits else 0)
+    assert stats["host_in_place_steps"] == (0 if fits else STEPS - 1)
+
+
+def test_no_room_to_stage_reads_the_state_in_place_and_loses_nothing(monkeypatch):
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    real_copy = host_state._device_copy
+    failed = []
+
+    def out_of_memory_once(t):
+        if not failed:  # the first staged copy of the first step that stages
+            failed.append(True)
+            raise torch.OutOfMemoryError("injected: no room for a staged copy")
+        return real_copy(t)
+
+    monkeypatch.setattr(host_state, "_device_copy", out_of_memory_once)
+    losses = train(model, optimizer, session, steps=STEPS)
+    monkeypatch.undo()
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    # The second step's first group read its state in place; every other group step staged.
+    groups = len(optimizer.param_groups)
+    assert stats["host_staging_fallbacks"] == 1
+    assert stats["host_in_place_steps"] == 1
+    assert stats["host_staged_steps"] == groups * (STEPS - 1) - 1
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+class StepFails:
+    """An optimizer step post-hook, registered before the session's, that raises after the step
+    numbered `at` (counting from 0): its staged state is updated and not copied back yet."""
+
+    def __init__(self, optimizer, at):
+        self.at, self.count = at, 0
+        self.handle = optimizer.register_step_post_hook(self)
+
+    def __call__(self, *_):
+        self.count += 1
+        if self.count - 1 == self.at:
+            raise RuntimeError("the step fails after it ran on the staged state")
+
+
+def train_through_a_failed_step(model, optimizer, make_session, fail_at):
+    """STEPS iterations; the step numbered fail_at raises after it ran (the error is caught)."""
+    fails = StepFails(optimizer, fail_at)
+    session = make_session(model, optimizer) if make_session is not None else None
+    torch.manual_seed(1)
+    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    losses = []
+    for _ in range(STEPS):
+        with session if session is not None else contextlib.nullcontext():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with contextlib.suppress(RuntimeError):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    fails.handle.remove()
+    if session is not None:
+        session.close()
+    return losses
+
+
+def test_a_step_that_raises_after_running_on_staged_state_loses_none_of_it():
+    model, optimizer = make_model(groups=True)
+    want = train_through_a_failed_step(model, optimizer, None, fail_at=2)
+    expected = (want, list(model.parameters()), optimizer)
+    model, optimizer = make_model(groups=True)
+    losses = train_through_a_failed_step(
+        model,
+        optimizer,
+        lambda m, o: session_for(m, o, limit=10**9, optimizer_state="host"),
+        fail_at=2,
+    )
+    assert_same_training(losses, model, optimizer, expected)
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+def test_the_state_on_the_host_is_readable_between_steps():
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    train(model, optimizer, session, steps=STEPS)
+    # Outside a step the optimizer holds the host bytes themselves: a checkpoint reads them.
+    saved = optimizer.state_dict()
+    session.close()
+    theirs = expected[2].state_dict()
+    for index, state in saved["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, theirs["state"][index][key]), (index, key)
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+@pytest.mark.parametrize("watch", ["operators", "modules"])
+def test_staging_under_either_watch_with_paging_trains_the_same(watch):
+    expected = reference(steps=5)
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-2:]
+    session = session_for(model, optimizer, optimizer_state=on_host, watch=watch)
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=5)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["pageout_bytes"] > 0  # the rest pages under the budget meanwhile
+    assert stats["host_staged_steps"] == 2 * 4
