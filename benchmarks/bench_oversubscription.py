@@ -25,7 +25,8 @@ initializes, and no column's state may leak into the next):
                      fused AdamW in parameter groups of at most 256 MiB (one group's kernel must
                      fit under the limit); session.close() after the last step
   lms-v2-ckpt        the same + the gradient checkpointing of `checkpointing`
-  lms-v2-host        lms-v2-ckpt + optimizer_state="host" (Adam's moments read in place on the host)
+  lms-v2-host        lms-v2-ckpt + optimizer_state="host" (Adam's moments on the host; the whole
+                     model's step reads them in place: more than an eighth of the limit)
   lms-v2-overlap     lms-v2-ckpt with watch="modules" (Note [Watching by events]), the state
                      placement of tus.suggest_placement(gradients_freed=True) and
                      tus.step_in_backward(optimizer, free_gradients=True, modules=[model]): each
