@@ -102,6 +102,7 @@ the "no limit" overhead where such a run exists.
         save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain,lms-managed,managed-budget]
         [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--seq 1024]
         [--activation-batch 8] [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1]
+        [--overlap-state auto|host]
         [--bandwidth-gib 2] [--child-timeout 600] [--child-target-s 240] [--time-budget 1500]
         [--out FILE] [--merge] [--skip-bandwidth] [--plot FILE] [--report-only] [--strict]
 
@@ -308,6 +309,7 @@ class Runner:
                 "state_batch",
                 "pin_parameters",
                 "size_lms_mib",
+                "overlap_state",
                 "no_limit_columns",
                 "bandwidth_gib",
                 "child_timeout",
@@ -374,6 +376,7 @@ class Runner:
         if not self.args.pin_parameters:
             command.append("--no-pin-parameters")
         command += ["--size-lms-mib", f"{self.args.size_lms_mib:g}"]
+        command += ["--overlap-state", self.args.overlap_state]
         self.children += 1
         extra = f", limit {gib(limit)} GiB" if limit else ""
         log(f"[{self.elapsed()}] {key}: child {self.children}, timeout {timeout:.0f} s{extra}")
@@ -598,6 +601,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="tus.pin_parameters(model) in the LMS columns",
+    )
+    parser.add_argument(
+        "--overlap-state",
+        choices=("auto", "host"),
+        default="auto",
+        help="lms-v2-overlap's optimizer_state: the helper's choice, or all of it on the host",
     )
     parser.add_argument(
         "--size-lms-mib",

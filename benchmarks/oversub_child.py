@@ -723,6 +723,8 @@ def train(column: str, args, result: dict) -> None:
         if column == LMS_V2_OVERLAP:
             # The documented helper's choice for gradients freed as the backward steps.
             placement = lms.suggest_placement([model], [optimizer], limit, gradients_freed=True)
+            if args.overlap_state == "host":  # --overlap-state host: the helper overridden
+                placement = {"optimizer_state": "host"}
             result["placement"] = describe_placement(placement, optimizer)
         if column == LMS_V2_OVERLAP:
             placement["watch"] = "modules"  # Note [Watching by events]: XL's step is host-bound
