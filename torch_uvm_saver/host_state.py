@@ -89,6 +89,16 @@ class HostState:
         self._staged_pointers: set[int] = set()
         self._last_out: torch.cuda.Event | None = None
 
+    def stats(self) -> dict[str, int]:
+        """The session's ``host_*`` counters."""
+        return {
+            "host_placed_bytes": self.placed_bytes,
+            "host_staged_steps": self.staged_steps,
+            "host_staged_bytes": self.staged_bytes,
+            "host_in_place_steps": self.in_place_steps,
+            "host_staging_fallbacks": self.staging_fallbacks,
+        }
+
     def place(self, parameter: torch.Tensor, state: dict[str, Any], key: str) -> bool:
         """Moves ``state[key]`` to the host; False (and nothing done) if it cannot go there."""
         value = state[key]

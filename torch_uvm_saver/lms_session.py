@@ -555,12 +555,7 @@ class LmsSession:
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
         out["quiet_iterations"] = self._quiet_iterations
-        host = self._host_state
-        out["host_placed_bytes"] = host.placed_bytes
-        out["host_staged_steps"] = host.staged_steps
-        out["host_staged_bytes"] = host.staged_bytes
-        out["host_in_place_steps"] = host.in_place_steps
-        out["host_staging_fallbacks"] = host.staging_fallbacks
+        out.update(self._host_state.stats())
         events = self._events
         out["event_iterations"] = events.iterations_acted if events is not None else 0
         out["event_recordings"] = events.recordings if events is not None else 0
@@ -718,11 +713,7 @@ class LmsSession:
             self._place_on_host(optimizer)
         for state in optimizer.state.values():
             for value in state.values():
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or value.layout != torch.strided
-                    or is_on_host(value)
-                ):
+                if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                     continue
                 block = _storage_id(value)
                 entry = self._entries.get(block)
