@@ -127,6 +127,7 @@ SESSION_KEYS = (
     "pagein_bytes",
     "prefetch_bytes",
     "clean_pageout_bytes",
+    "dead_pageout_bytes",
     "pageout_count",
     "pagein_count",
     "oom_retries",

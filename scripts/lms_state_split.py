@@ -11,7 +11,12 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         configuration, then one more step recorded with torch.profiler and laid out as
         lms_step_timeline.py does; --probe cprofile, sample, ops: where the host's time goes;
         --probe plans: every planner call of the run, as JSON, to the file SPLIT_PLANS names
-        (default plans.json), for scripts/replay_planner.py)
+        (default plans.json), for scripts/replay_planner.py; --probe pageouts: what the
+        session paged out over --steps more steps, by what it was and what became of it;
+        --probe host: the host time of the session's, step_in_backward's and the optimizer's
+        functions, each timed inclusively over --steps more steps)
+
+A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 
 --watch modules and --no-quiet pass watch="modules" and quiet=False to the session.
 
@@ -43,10 +48,12 @@ from profile_lms_session import step
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
 MARK = "SPLIT "
-PROBES = ("trace", "cprofile", "sample", "ops", "plans")
+PROBES = ("trace", "cprofile", "sample", "ops", "plans", "pageouts", "host")
 COUNTED = (  # the session's counters reported per step
     *MOVED,
     "clean_pageout_bytes",
+    "dead_pageout_bytes",
+    "quiet_iterations",
     "prefetch_wasted",
     "prefetch_failed",
     "oom_events",
@@ -241,9 +248,185 @@ def log_planner_calls(log: list) -> None:
     session_module._C = Bindings()
 
 
+def track_pageouts(session, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """From now on each page-out the session starts is put down with what the block is (a
+    parameter, its gradient, optimizer state, a saved activation, something else), whether in
+    the forward, the backward or a step, whether it copied bytes, and what became of the block
+    (paged back in on demand, prefetched, died, still out). Returns a function that prints that
+    as a table, over the steps run since."""
+    import collections
+    import importlib
+
+    module = importlib.import_module("torch_uvm_saver.lms_session")
+
+    records: dict[int, list] = {}  # block -> [kind, phase, bytes, copied, fate]
+    done: list[list] = []
+    cls = module.LmsSession
+    page_out_one, page_in, prefetch_all, drop, add = (
+        cls._page_out_one,
+        cls._page_in,
+        cls._prefetch_all,
+        cls._drop,
+        cls._add,
+    )
+    taken_as: dict[int, str] = {}  # block -> what the session took it as (a gradient, ...)
+
+    def traced_add(self, t, persistent, what):
+        block = add(self, t, persistent, what)
+        taken_as[block] = what
+        return block
+
+    def kind_of(block: int) -> str:
+        if block in taken_as:  # a gradient dropped since is no parameter's .grad any more
+            return taken_as[block]
+        for p in model.parameters():
+            if p.untyped_storage()._cdata == block:
+                return "parameter"
+            if p.grad is not None and p.grad.untyped_storage()._cdata == block:
+                return "gradient"
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == block:
+                    return "optimizer state"
+        entry = session._entries.get(block)
+        if entry is not None and entry.saved_refs:
+            return "saved activation"
+        return "other"
+
+    def phase() -> str:
+        if session._in_optimizer_step:
+            return "step"
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+    def settle(block: int, fate: str) -> None:
+        record = records.pop(block, None)
+        if record is not None:
+            record[4] = fate
+            done.append(record)
+
+    def traced_page_out_one(self, block, stream, others=()):
+        entry = self._entries.get(block)
+        nbytes = entry.nbytes if entry is not None else 0
+        kind, when = kind_of(block), phase()
+        copied = page_out_one(self, block, stream, others)
+        settle(block, "paged out again")
+        record = [kind, when, nbytes, copied, None]
+        if block in self._entries:
+            records[block] = record
+        else:  # Note [Dead page-outs]: it had died, and the session forgot it
+            record[4] = "had died"
+            done.append(record)
+        return copied
+
+    def traced_page_in(self, block):
+        settle(block, "paged in on demand")
+        return page_in(self, block)
+
+    def traced_prefetch_all(self, blocks):
+        result = prefetch_all(self, blocks)
+        for block in blocks:
+            if not self._planner.is_out(block):
+                settle(block, "prefetched")
+        return result
+
+    def traced_drop(self, block):
+        settle(block, "died")
+        taken_as.pop(block, None)  # the address may name another storage later
+        return drop(self, block)
+
+    cls._page_out_one, cls._page_in = traced_page_out_one, traced_page_in
+    cls._prefetch_all, cls._drop, cls._add = traced_prefetch_all, traced_drop, traced_add
+
+    def report(steps: int) -> None:
+        rows: collections.Counter = collections.Counter()
+        moved: collections.Counter = collections.Counter()
+        still_out = [[*record[:4], "still out"] for record in records.values()]
+        for kind, when, nbytes, copied, fate in done + still_out:
+            key = (kind, when, fate)
+            rows[key] += 1
+            moved[key] += nbytes if copied else 0
+        print(f"page-outs a step over {steps} steps: what, when, what became of it")
+        print("what | when | fate | count | GB copied")
+        for key, count in rows.most_common():
+            print(f"{' | '.join(key)} | {count / steps:.1f} | {moved[key] / steps / 1e9:.3f}")
+
+    return report
+
+
+HOST_TIMED = (  # (module, class or None, function): what the probe "host" times
+    ("torch_uvm_saver.step_in_backward", "StepInBackward", "_gradient_ready"),
+    ("torch_uvm_saver.step_in_backward", "StepInBackward", "_step_group"),
+    ("torch_uvm_saver.step_in_backward", "StepInBackward", "_lane"),
+    ("torch_uvm_saver.step_in_backward", "StepInBackward", "_drop_gradients"),
+    ("torch.optim.adamw", "AdamW", "step"),
+    ("torch.optim.adam", "Adam", "_init_group"),
+    ("torch.optim.adam", None, "_fused_adam"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "__enter__"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "__exit__"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_optimizer_starts"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_optimizer_ends"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_before"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_bring_in"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_carry_out"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_adopt_gradient"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_pack"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_release_saved"),
+    ("torch_uvm_saver.lms_session", "_Dispatch", "__torch_dispatch__"),
+    ("torch_uvm_saver.lms_events", "EventWatch", "event"),
+    ("torch_uvm_saver.lms_events", "EventWatch", "step_starts"),
+    ("torch_uvm_saver.lms_events", "EventWatch", "step_ends"),
+    ("torch_uvm_saver.host_state", "HostState", "stage_in"),
+    ("torch_uvm_saver.host_state", "HostState", "stage_out"),
+)
+
+
+def print_host_times(one, steps: int) -> None:
+    """The host time of each function in HOST_TIMED over `steps` steps, inclusive (a function
+    called inside another counts in both), and the calls a step."""
+    import collections
+    import functools
+    import importlib
+
+    spent: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    restore = []
+    for module_name, owner_name, name in HOST_TIMED:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        real = getattr(owner, name)  # AdamW's step: the hooked one, made by its first instance
+        label = f"{owner_name or module_name}.{name}"
+
+        def timed(*args, _real=real, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - start
+                calls[_label] += 1
+
+        setattr(owner, name, functools.wraps(real)(timed))
+        restore.append((owner, name, real))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, real in restore:
+            setattr(owner, name, real)
+    wall = (time.perf_counter() - start) / steps
+    print(f"step {wall * 1e3:.1f} ms with the timers; host time a step, inclusive:")
+    for label, seconds in spent.most_common():
+        print(
+            f"  {seconds / steps * 1e3:8.2f} ms  {calls[label] / steps:7.1f} calls  "
+            f"{seconds / calls[label] * 1e6:8.1f} us each  {label}"
+        )
+
+
 def run_one(
     limit: int,
-    share: float | None,
+    share: str | None,
     free: bool,
     steps: int,
     warmup: int,
@@ -266,15 +449,23 @@ def run_one(
     if probe == "plans":
         log_planner_calls(planner_log)
     if not baseline:
+        placement = (
+            tus.suggest_placement([model], [optimizer], limit, gradients_freed=free)[
+                "optimizer_state"
+            ]
+            if share == "helper"
+            else host_groups(optimizer, float(share))
+        )
         session = tus.lms_session(
             limit,
             [model],
             [optimizer],
-            optimizer_state=host_groups(optimizer, share),
+            optimizer_state=placement,
             watch=watch,
             quiet=quiet,
         )
-        tus.step_in_backward(optimizer, free_gradients=free)
+        # As the benchmark: with free_gradients the next forward waits per module for the steps.
+        tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()
 
     def one() -> float:
@@ -323,6 +514,13 @@ def run_one(
         print(f"{len(planner_log)} planner calls written to {path}")
     if probe == "ops":
         print_operator_times(one, steps, session is not None)
+    if probe == "host":
+        print_host_times(one, steps)
+    if probe == "pageouts" and session is not None:
+        report = track_pageouts(session, model, optimizer)
+        for _ in range(steps):
+            one()
+        report(steps)
     if probe == "trace":
         from lms_step_timeline import analyse
         from torch.profiler import ProfilerActivity, profile
@@ -361,7 +559,7 @@ def main() -> None:
             share, free = args.one.split(",")
             result = run_one(
                 limit,
-                float(share),
+                share,
                 free == "1",
                 args.steps,
                 args.warmup,

@@ -45,17 +45,33 @@ Note [What the session relocates]
 Note [Quiet iterations]
     Watching every operator costs host time (a dispatch mode and saved-tensor hooks, some tens
     of microseconds an operator), which a step that fits under the limit should not pay. So
-    after a watched iteration in which nothing had to move (no page-out, no out-of-memory
-    retry, nothing out at its end) and that ended holding no more storages than it began with
-    (the first step of an optimizer makes its state at its end, which the next iteration
-    carries from its start: on GPT-2 medium at a third of its peak, quiet after the first
-    iteration ran the second out of memory) the session goes quiet: the next iterations run with no
+    after a watched iteration in which nothing had to move (no page-out, not even of a storage
+    that had died: Note [Dead page-outs]; no page-in or prefetch either, no out-of-memory
+    retry, nothing out at its end) and that ended holding no more storages than it began with (the
+    first step of an optimizer makes its state at its end, which the next iteration carries
+    from its start: on GPT-2 medium at a third of its peak, quiet after the first iteration
+    ran the second out of memory) the session goes quiet: the next iterations run with no
     dispatch mode and no saved-tensor hooks, as if there were no session, and only the
     bookkeeping at the block's end remains (the planner keeps the watched iteration's trace).
+    Page-ins count because an iteration that brings back what was out when it began held less
+    at its start than the next one will, which begins with everything in: one that made room
+    for them without a page-out (by dead storages alone, or in budget left free) is not the
+    steady state yet.
     A quiet iteration that raises the allocator's peak above ``limit - limit / 16``, or ends in
     an error, makes the next iteration watched again. The price: a quiet iteration that needs
     more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
     instead of paging; run the session with ``quiet=False`` where iterations vary that much.
+
+Note [Dead page-outs]
+    The planner learns that a storage died only when the session next looks at it: a gradient
+    that ``step_in_backward(free_gradients=True)`` drops after its group's step still counts as
+    resident in its books until then. Under the limit those are the first victims it names (a
+    gradient of the last iteration was read no more after its step), and the session finds
+    them dead and only forgets them: nothing moves. Such page-outs are counted apart
+    (dead_pageout_count and dead_pageout_bytes; pageout_count and pageout_bytes leave them
+    out): on GPT-2 XL at half of its peak they were 126 a step, 3.85 GB "paged out" with not one
+    byte copied (``scripts/lms_state_split.py --probe pageouts``). They still count as moves
+    for going quiet (Note [Quiet iterations]), which keeps that configuration watched.
 
 Note [Operators the planner sees]
     Every operator passes through the dispatch mode, but only those that read a managed storage
@@ -393,6 +409,8 @@ class LmsSession:
         self._oom_retries = 0
         self._clean_pageouts = 0
         self._clean_pageout_bytes = 0
+        self._dead_pageouts = 0  # Note [Dead page-outs]
+        self._dead_pageout_bytes = 0
         self._skipped_saved = 0
         self._saved_managed = 0
         self._previous_fraction: float | None = None
@@ -542,12 +560,18 @@ class LmsSession:
         prefetch hits and waste, budget, resident and registered bytes) and the session's own:
         oom_retries (operators run again after making room), clean_pageout_count and
         clean_pageout_bytes (page-outs that copied nothing: Note [Clean page-outs]),
+        dead_pageout_count and dead_pageout_bytes (victims that had died: Note [Dead
+        page-outs]; pageout_count and pageout_bytes leave them out),
         saved_managed (tensors autograd saved that the session took on), skipped_saved (saved
         tensors left resident: Note [What the session relocates]); with watch="modules",
         event_iterations (iterations watched by events), event_recordings (iterations recorded
         for them) and event_deviations (iterations that left the record: Note [Watching by
         events])."""
         out = dict(self._planner.counters())
+        out["pageout_count"] -= self._dead_pageouts
+        out["pageout_bytes"] -= self._dead_pageout_bytes
+        out["dead_pageout_count"] = self._dead_pageouts
+        out["dead_pageout_bytes"] = self._dead_pageout_bytes
         out["oom_retries"] = self._oom_retries
         out["clean_pageout_count"] = self._clean_pageouts
         out["clean_pageout_bytes"] = self._clean_pageout_bytes
@@ -881,8 +905,11 @@ class LmsSession:
     ) -> bool:
         """Pages one block out (its copy queued on `stream`, the current one, when on a GPU);
         whether it copied anything."""
+        entry = self._entries.get(block)
         live = self._live(block)
-        if live is None:  # died since: nothing to move
+        if live is None:  # Note [Dead page-outs]: nothing to move
+            self._dead_pageouts += 1
+            self._dead_pageout_bytes += entry.nbytes if entry is not None else 0
             return False
         entry, storage = live
         if storage.nbytes() == 0 and entry.host is not None:
@@ -1097,7 +1124,9 @@ class LmsSession:
 
     def _moves(self) -> int:
         counters = self._planner.counters()
-        return counters["pageout_count"] + counters["oom_events"] + self._oom_retries
+        # Both directions (Note [Quiet iterations]), dead page-outs included.
+        pageins = counters["pagein_count"] + counters["prefetch_count"]
+        return counters["pageout_count"] + pageins + counters["oom_events"] + self._oom_retries
 
     def _allocator_peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0

@@ -1,6 +1,8 @@
 """lms_session on CPU tensors: the relocation and autograd logic that CI can run (the GPU
 scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -214,6 +216,67 @@ def test_a_session_that_pages_never_goes_quiet():
     assert not session.quiet
     session.close()
     assert stats["quiet_iterations"] == 0 and stats["iterations"] == 3
+
+
+def _train_stepping_in_backward(model, optimizer, session, steps):
+    """Losses of `steps` iterations of a batch of 4 (activations under SMALL: only parameters,
+    gradients and state are managed), each group stepping in the backward with its gradients
+    dropped after its step."""
+    tus.step_in_backward(optimizer, free_gradients=True)
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 128), torch.randn(4, 128)
+    losses = []
+    for _ in range(steps):
+        with session if session is not None else contextlib.nullcontext():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_gradients_dropped_in_the_backward_are_counted_apart_from_page_outs():
+    """Note [Dead page-outs]: the planner still counts the gradients step_in_backward dropped
+    and names them as victims; the session finds them dead and moves nothing. They are counted
+    apart from the page-outs, and training is the same."""
+    reference = _train_stepping_in_backward(*make_model(groups=True), None, steps=6)
+    model, optimizer = make_model(groups=True)
+    # 1400 KiB: under the 1.5 MiB of parameters, state and every gradient of an iteration,
+    # over what is alive at any time.
+    session = session_for(model, optimizer, budget=1400 * 1024)
+    losses = _train_stepping_in_backward(model, optimizer, session, steps=6)
+    stats = session.stats()
+    planned = session._planner.counters()
+    session.close()
+    assert losses == reference
+    gradient_bytes = 128 * 128 * 4  # the weights' (the biases are under min_bytes)
+    assert stats["dead_pageout_count"] > 0
+    assert stats["dead_pageout_bytes"] == stats["dead_pageout_count"] * gradient_bytes
+    assert stats["pageout_count"] + stats["dead_pageout_count"] == planned["pageout_count"]
+    assert stats["pageout_bytes"] + stats["dead_pageout_bytes"] == planned["pageout_bytes"]
+    # From the third iteration on only dead gradients go out; they still count as moves, so
+    # the session stays watched (Note [Quiet iterations]).
+    assert stats["quiet_iterations"] == 0
+
+
+def test_an_iteration_that_brings_back_what_was_out_is_not_followed_by_a_quiet_one():
+    """It held less at its start than the next iteration will: only the one after it, which
+    begins with everything in and moves nothing, is followed by quiet ones."""
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=200_000)
+    train(model, optimizer, session, steps=3)
+    assert session.stats()["pageout_count"] > 0 and not session.quiet
+    session._planner.budget = 10**9  # room for everything from here on
+    before = session.stats()
+    train(model, optimizer, session, steps=1)
+    after = session.stats()
+    assert after["pagein_count"] + after["prefetch_count"] > before["pagein_count"]
+    assert after["pageout_count"] == before["pageout_count"]
+    assert not session.quiet
+    train(model, optimizer, session, steps=1)
+    assert session.quiet
+    session.close()
 
 
 def test_quiet_false_watches_every_iteration():
