@@ -22,12 +22,21 @@ def make_model(seed=0, layers=6, width=128, groups=False):
     return model, torch.optim.AdamW(params, lr=1e-3)
 
 
-def train(model, optimizer, session=None, steps=3, checkpoint=False, layers_at=None, fail_at=None):
+def train(
+    model,
+    optimizer,
+    session=None,
+    steps=3,
+    checkpoint=False,
+    layers_at=None,
+    fail_at=None,
+    batch=256,
+):
     """Losses of `steps` iterations, each inside `session` when given. layers_at(step): how many
     blocks that step runs (all by default); the step numbered fail_at raises RuntimeError after
     its forward, which is swallowed."""
     torch.manual_seed(1)
-    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    x, y = torch.randn(batch, 128), torch.randn(batch, 128)
     losses = []
     for step in range(steps):
         failing = contextlib.suppress(RuntimeError) if step == fail_at else contextlib.nullcontext()

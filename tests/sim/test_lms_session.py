@@ -1,8 +1,6 @@
 """lms_session on CPU tensors: the relocation and autograd logic that CI can run (the GPU
 scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -223,17 +221,7 @@ def _train_stepping_in_backward(model, optimizer, session, steps):
     gradients and state are managed), each group stepping in the backward with its gradients
     dropped after its step."""
     tus.step_in_backward(optimizer, free_gradients=True)
-    torch.manual_seed(1)
-    x, y = torch.randn(4, 128), torch.randn(4, 128)
-    losses = []
-    for _ in range(steps):
-        with session if session is not None else contextlib.nullcontext():
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return train(model, optimizer, session, steps=steps, batch=4)
 
 
 def test_gradients_dropped_in_the_backward_are_counted_apart_from_page_outs():
