@@ -183,6 +183,16 @@ class HostState:
         except torch.OutOfMemoryError:
             return None
 
+    def replaced(self) -> list[torch.Tensor]:
+        """The tensors the step under way put in place of staged state (instead of updating it
+        in place): stage_out copies them to the host, so they must hold their bytes then."""
+        return [
+            state[key]
+            for state, key, _ in self._staged
+            if state.get(key) is not None
+            and state[key].untyped_storage().data_ptr() not in self._staged_pointers
+        ]
+
     def stage_out(self) -> None:
         """After a step: what it staged goes back to the host, on the step's stream."""
         staged, self._staged = self._staged, []

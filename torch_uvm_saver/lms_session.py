@@ -715,6 +715,15 @@ class LmsSession:
     def _optimizer_ends(self, *_: object) -> None:
         if self._host_state.placed_bytes:
             with self._own_operators():
+                # State the step replaced instead of updating in place goes to the host: in
+                # with its bytes if this session paged it out (reading it out is an illegal
+                # address), and forgotten.
+                for t in self._host_state.replaced():
+                    block = _storage_id(t)
+                    if block in self._entries:
+                        if self._planner.is_out(block):
+                            self._page_in(block)
+                        self._drop(block)
                 self._host_state.stage_out()
         self._in_optimizer_step = False
         if self._events is not None and self._active and not self._quiet:

@@ -191,3 +191,47 @@ def test_staging_under_either_watch_with_paging_trains_the_same(watch):
     assert_same_training(losses, model, optimizer, expected)
     assert stats["pageout_bytes"] > 0  # the rest pages under the budget meanwhile
     assert stats["host_staged_steps"] == 2 * 4
+
+
+class NewTensorMomentum(torch.optim.Optimizer):
+    """Momentum SGD that puts a new state tensor in place at each step, as some optimizers do,
+    instead of updating it in place."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                m = state.get("m")
+                state["m"] = p.grad.clone() if m is None else m * 0.9 + p.grad
+                p.add_(state["m"], alpha=-group["lr"])
+
+
+def test_a_step_that_puts_a_new_state_tensor_in_place_keeps_it():
+    def run(with_session):
+        model, _ = make_model()
+        optimizer = NewTensorMomentum(model.parameters())
+        session = (
+            session_for(model, optimizer, limit=10**9, optimizer_state="host")
+            if with_session
+            else None
+        )
+        losses = train(model, optimizer, session, steps=STEPS)
+        stats = session.stats() if session is not None else None
+        if session is not None:
+            session.close()
+        return losses, list(model.parameters()), optimizer, stats
+
+    *expected, _ = run(False)
+    losses, parameters, optimizer, stats = run(True)
+    assert stats["host_staged_steps"] == STEPS - 1
+    assert losses == expected[0]
+    for mine, theirs in zip(parameters, expected[1]):
+        assert torch.equal(mine, theirs)
+    ours = [optimizer.state[p]["m"] for p in parameters if optimizer.state[p]["m"].nbytes >= SMALL]
+    assert ours and all(is_on_host(m) for m in ours)
