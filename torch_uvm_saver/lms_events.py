@@ -212,15 +212,17 @@ class EventWatch:
                 self._window = []
                 return
             session = self._session
-            writes = recorded.writes[k]
-            if writes is not None:
-                session._written(self._resolve(writes))
             ids = self._resolve(reads)
             self._window = list(ids)
             if recorded.counted[k]:
                 session._before(ids)
             else:
                 session._bring_in(ids)
+            writes = recorded.writes[k]
+            if writes is not None:
+                # After the page-ins, as the dispatch mode orders them: a page-in makes the
+                # host copy current, the write to come makes it stale (Note [Clean page-outs]).
+                session._written(self._resolve(writes))
 
     def step_starts(self) -> None:
         self._step_depth += 1

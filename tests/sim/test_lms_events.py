@@ -169,3 +169,38 @@ def test_a_backward_that_differs_stops_with_a_clear_error_and_loses_nothing():
     assert all(torch.isfinite(torch.tensor(losses)))
     assert after["event_recordings"] == stats["event_recordings"] + 1
     assert after["event_iterations"] == stats["event_iterations"] + 2
+
+
+def _train_accumulating(model, optimizer, session, steps=6):
+    """Two backwards an iteration, their gradients summed in place before the step."""
+    torch.manual_seed(1)
+    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    losses = []
+    for _ in range(steps):
+        with session if session is not None else contextlib.nullcontext():
+            for half in (slice(0, 128), slice(128, 256)):
+                loss = torch.nn.functional.mse_loss(model(x[half]), y[half])
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("budget", [150_000, 400_000])
+def test_gradients_accumulated_in_place_are_not_lost_to_a_clean_page_out(budget):
+    """An event whose operators write a storage it pages in (the second backward adds into a
+    gradient the first made) marks the host copy stale after the page-in, not before: the
+    other order left it marked current, and a later page-out that copies nothing dropped the
+    sum."""
+    reference_model, reference_optimizer = make_model()
+    reference = _train_accumulating(reference_model, reference_optimizer, None)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=budget, watch="modules")
+    losses = _train_accumulating(model, optimizer, session)
+    stats = session.stats()
+    session.close()
+    assert stats["event_iterations"] == 4 and stats["clean_pageout_count"] > 0
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
