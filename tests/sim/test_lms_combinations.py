@@ -1,11 +1,11 @@
 """lms_session across combinations of what training does (fused or for-loop AdamW, a parameter
 group per block or one, steps in the backward with or without freeing the gradients,
-checkpointing, gradient accumulation) and of how the session runs (watching operators or
-modules, three budgets, the optimizer's state on the device, half on the host or all of it,
-quiet iterations or not): each trains bit for bit as the same training with no session. A
-fixed spread of the 960 valid combinations, every STRIDE-th (all 960 passed in a sweep when this
-was written). Marking an event's writes before its page-ins, the bug fixed with this suite,
-fails 6 of these; never marking a host copy stale fails 68."""
+checkpointing, reentrant or not, gradient accumulation) and of how the session runs (watching
+operators or modules, three budgets, the optimizer's state on the device, half on the host or
+all of it, quiet iterations or not): each trains bit for bit as the same training with no session. A
+fixed spread of the 1,440 valid combinations, every STRIDE-th (all of them passed in a sweep when
+this was written). Marking an event's writes before its page-ins, the bug fixed with this suite,
+fails 8 of these; never marking a host copy stale fails 69."""
 
 import contextlib
 import itertools
@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 import torch_uvm_saver as tus
 
-STRIDE = 12
+STRIDE = 18
 STEPS = 5
 WATCH = ("operators", "modules")
 BUDGETS = (150_000, 500_000, 1_500_000)
@@ -29,7 +29,7 @@ def _combinations():
         [True, False],  # a parameter group per block
         [False, True],  # steps in the backward
         [True, False],  # ... freeing the gradients
-        [False, True],  # checkpointing
+        [False, "non-reentrant", "reentrant"],  # checkpointing
         [False, True],  # two backwards an iteration
         WATCH,
         BUDGETS,
@@ -52,7 +52,7 @@ def _name(c):
         "fused" if fused else "loop",
         "groups" if groups else "one-group",
         ("sib-free" if free else "sib") if in_backward else "step",
-        "ckpt" if checkpoint else "plain",
+        f"ckpt-{checkpoint}" if checkpoint else "plain",
         "accum" if accumulate else "single",
         watch,
         f"{budget // 1000}k",
@@ -87,7 +87,9 @@ def _train(c, with_session):
             quiet=quiet,
         )
     torch.manual_seed(1)
-    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    # Reentrant checkpointing needs an input that requires grad for the first block's backward.
+    x = torch.randn(256, 128).requires_grad_(checkpoint == "reentrant")
+    y = torch.randn(256, 128)
     parts = (slice(0, 128), slice(128, 256)) if accumulate else (slice(0, 256),)
     losses = []
     for _ in range(STEPS):
@@ -96,7 +98,8 @@ def _train(c, with_session):
                 h = x[part]
                 for block in model:
                     if checkpoint:
-                        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                        reentrant = checkpoint == "reentrant"
+                        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
                     else:
                         h = block(h)
                 loss = torch.nn.functional.mse_loss(h, y[part])
