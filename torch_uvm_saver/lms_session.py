@@ -719,11 +719,7 @@ class LmsSession:
                 # with its bytes if this session paged it out (reading it out is an illegal
                 # address), and forgotten.
                 for t in self._host_state.replaced():
-                    block = _storage_id(t)
-                    if block in self._entries:
-                        if self._planner.is_out(block):
-                            self._page_in(block)
-                        self._drop(block)
+                    self._let_go(_storage_id(t))
                 self._host_state.stage_out()
         self._in_optimizer_step = False
         if self._events is not None and self._active and not self._quiet:
@@ -777,13 +773,18 @@ class LmsSession:
                     or is_on_host(value)
                 ):
                     continue
-                block = _storage_id(value)
-                if block in self._entries:
-                    if self._planner.is_out(block):
-                        with self._own_operators():
-                            self._page_in(block)
-                    self._drop(block)
+                self._let_go(_storage_id(value))
                 self._host_state.place(parameter, state, key)
+
+    def _let_go(self, block: int) -> None:
+        """The session stops managing `block` (its bytes go on living elsewhere: the host's
+        optimizer state), brought back in first if they were out."""
+        if block not in self._entries:
+            return
+        if self._planner.is_out(block):
+            with self._own_operators():
+                self._page_in(block)
+        self._drop(block)
 
     def _sweep(self) -> None:
         """Forget storages that died (gradients set to None, optimizer temporaries)."""
