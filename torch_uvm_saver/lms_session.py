@@ -45,9 +45,9 @@ Note [What the session relocates]
 Note [Quiet iterations]
     Watching every operator costs host time (a dispatch mode and saved-tensor hooks, some tens
     of microseconds an operator), which a step that fits under the limit should not pay. So
-    after a watched iteration in which nothing had to move (no page-out, not even of a storage
-    that had died: Note [Dead page-outs]; no page-in or prefetch either, no out-of-memory
-    retry, nothing out at its end) and that ended holding no more storages than it began with (the
+    after a watched iteration in which nothing had to move (no page-out but of storages that
+    had died: Note [Dead page-outs]; no page-in or prefetch either, no out-of-memory retry,
+    nothing out at its end) and that ended holding no more storages than it began with (the
     first step of an optimizer makes its state at its end, which the next iteration carries
     from its start: on GPT-2 medium at a third of its peak, quiet after the first iteration
     ran the second out of memory) the session goes quiet: the next iterations run with no
@@ -56,7 +56,8 @@ Note [Quiet iterations]
     Page-ins count because an iteration that brings back what was out when it began held less
     at its start than the next one will, which begins with everything in: one that made room
     for them without a page-out (by dead storages alone, or in budget left free) is not the
-    steady state yet.
+    steady state yet (counting neither page-ins nor dead page-outs, a GPU scenario at two
+    thirds of its peak, watched by events, ran out of memory in a quiet iteration on an H100).
     A quiet iteration that raises the allocator's peak above ``limit - limit / 16``, or ends in
     an error, makes the next iteration watched again. The price: a quiet iteration that needs
     more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
@@ -70,8 +71,8 @@ Note [Dead page-outs]
     them dead and only forgets them: nothing moves. Such page-outs are counted apart
     (dead_pageout_count and dead_pageout_bytes; pageout_count and pageout_bytes leave them
     out): on GPT-2 XL at half of its peak they were 126 a step, 3.85 GB "paged out" with not one
-    byte copied (``scripts/lms_state_split.py --probe pageouts``). They still count as moves
-    for going quiet (Note [Quiet iterations]), which keeps that configuration watched.
+    byte copied (``scripts/lms_state_split.py --probe pageouts``). They are not moves (Note
+    [Quiet iterations]): counted as moves, they kept that configuration from ever going quiet.
 
 Note [Operators the planner sees]
     Every operator passes through the dispatch mode, but only those that read a managed storage
@@ -1134,9 +1135,10 @@ class LmsSession:
 
     def _moves(self) -> int:
         counters = self._planner.counters()
-        # Both directions (Note [Quiet iterations]), dead page-outs included.
+        # Both directions (Note [Quiet iterations]); page-outs of dead storages moved nothing.
+        pageouts = counters["pageout_count"] - self._dead_pageouts
         pageins = counters["pagein_count"] + counters["prefetch_count"]
-        return counters["pageout_count"] + pageins + counters["oom_events"] + self._oom_retries
+        return pageouts + pageins + counters["oom_events"] + self._oom_retries
 
     def _allocator_peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
