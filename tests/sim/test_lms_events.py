@@ -204,3 +204,65 @@ def test_gradients_accumulated_in_place_are_not_lost_to_a_clean_page_out(budget)
     assert losses == reference
     for mine, theirs in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+@contextlib.contextmanager
+def counting_step_operators():
+    """Operators of optimizer steps that pass through the dispatch mode, one count an iteration
+    (append 0 before each)."""
+    counts = []
+    original = session_module._Dispatch.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if self.session._in_optimizer_step:
+            counts[-1] += 1
+        return original(self, func, types, args, kwargs)
+
+    session_module._Dispatch.__torch_dispatch__ = counted
+    try:
+        yield counts
+    finally:
+        session_module._Dispatch.__torch_dispatch__ = original
+
+
+@pytest.mark.parametrize(
+    "in_backward, fused",
+    [(True, True), (False, True), (True, False)],
+    ids=["group-steps", "one-step", "group-steps-making-storages"],
+)
+def test_a_small_step_is_replayed_as_one_event_and_a_large_one_by_operators(in_backward, fused):
+    """Note [Steps as one event]: fused AdamW makes no storage in its step; one group's step
+    reads under a quarter of the budget and runs unwatched once recorded, the whole model's
+    does not and stays watched; so does a small step that makes storages (AdamW's for-loop
+    step takes temporaries). All train bit for bit."""
+
+    def make():
+        model, _ = make_model()
+        groups = [{"params": list(block.parameters())} for block in model]
+        optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=fused)
+        if in_backward:
+            tus.step_in_backward(optimizer, free_gradients=True)
+        return model, optimizer
+
+    reference_model, reference_optimizer = make()
+    reference = train(reference_model, reference_optimizer, steps=6)
+    model, optimizer = make()
+    # A quarter of it holds a group's step, fused or not (the for-loop's temporaries count).
+    session = session_for(model, optimizer, budget=2_000_000, watch="modules")
+    losses = []
+    with counting_step_operators() as step_operators:
+        for _ in range(6):
+            step_operators.append(0)
+            losses += train(model, optimizer, session, steps=1)
+    stats = session.stats()
+    session.close()
+    assert losses == reference
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(mine, theirs)
+    assert stats["event_recordings"] == 2 and stats["event_iterations"] == 4
+    assert stats["event_deviations"] == 0 and stats["pageout_count"] > 0
+    assert step_operators[1] > 0  # recorded by operators
+    if in_backward and fused:
+        assert step_operators[2:] == [0, 0, 0, 0]
+    else:
+        assert all(count > 0 for count in step_operators[2:])
