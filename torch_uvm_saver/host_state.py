@@ -31,14 +31,13 @@ Note [Staging the state on the host]
     (``step_in_backward``) needs that stream waited for, as the parameters do
     (``StepInBackward.wait()``); ``close()`` waits for every copy out.
 
-    The state of one parameter group lives in one page-locked buffer (a slab), each tensor at an
-    offset aligned to ALIGNMENT bytes, and is staged as one: one device buffer, one copy in and
-    one copy out per group instead of one per tensor (16 or more of each for a GPT-2 XL group of
-    256 MiB). PyTorch's pinned-memory allocator rounds each request up to a power of two: one
-    tensor at a time that cost up to twice its bytes (a 41 MB moment of GPT-2 XL took 64 MiB),
-    a slab rounds once (a group of just under 256 MiB of parameters, just under 512 MiB of
-    moments, takes 512 MiB). A step that reads only some of a slab's tensors (the others
-    had no gradient) still stages it whole: the others are copied out unchanged.
+    Each tensor has a page-locked buffer of its own, which PyTorch's pinned allocator rounds up
+    to a power of two (a 41 MB moment of GPT-2 XL takes 64 MiB of host memory). One buffer per
+    parameter group rounds once, but was slower on an H200 (scripts/ab_python_change.py, GPT-2
+    XL under the helper's placement): staged whole, 1.17x the step time at 2x and 1.08x at 3x;
+    staged tensor by tensor from the shared buffer, still 1.21x at 2x and 1.01x at 3x. Staging
+    a group whole made the allocator wait on the host for a free 512 MiB block (a
+    ``cudaEventSynchronize`` each group step); the rest of the difference was not found.
 
     On a CPU device (the simulated driver's tests) the host copy is an ordinary tensor and
     staging copies it to a second one: the same bookkeeping with no link.
@@ -55,7 +54,6 @@ __all__ = ["HostState", "is_on_host"]
 
 # Data pointers of the host copies every HostState made (removed as each copy dies).
 _HOST_POINTERS: dict[int, int] = {}
-ALIGNMENT = 512  # bytes: where each tensor of a slab starts (vector loads want 16 at least)
 
 
 def is_on_host(t: torch.Tensor) -> bool:
@@ -64,45 +62,19 @@ def is_on_host(t: torch.Tensor) -> bool:
 
 
 def _device_copy(t: torch.Tensor) -> torch.Tensor:
-    """Device memory for one staged slab (tests inject out-of-memory here)."""
+    """Device memory for one staged tensor (tests inject out-of-memory here)."""
     return torch.empty_like(t)
 
 
-class _Slab:
-    """The state of one parameter group on the host: one buffer, and how the device sees it."""
+class _Placed:
+    """One state tensor on the host: its host copy and how the device sees it."""
 
-    __slots__ = ("host", "members", "out_event", "view")
+    __slots__ = ("host", "out_event", "view")
 
     def __init__(self, host: torch.Tensor, view: torch.Tensor) -> None:
-        self.host = host  # uint8, the bytes (pinned on a GPU machine)
-        self.view = view  # the same bytes seen from the device (the host buffer on a CPU)
-        self.members: list[_Placed] = []
+        self.host = host  # the bytes (pinned on a GPU machine)
+        self.view = view  # what the optimizer holds between steps: the host bytes, as a tensor
         self.out_event: torch.cuda.Event | None = None  # the last copy out of the device
-
-
-class _Placed:
-    """One state tensor in a slab: where it lies, and what the optimizer holds between steps."""
-
-    __slots__ = ("key", "offset", "slab", "state", "view")
-
-    def __init__(self, slab: _Slab, offset: int, state: dict[str, Any], key: str) -> None:
-        self.slab = slab
-        self.offset = offset
-        self.state = state
-        self.key = key
-        self.view = _carve(slab.view, offset, state[key])  # the host bytes, as the tensor
-
-
-def _carve(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The tensor shaped as `like` at `offset` bytes into the uint8 `buffer`."""
-    return buffer[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
-
-
-def _is_carved(t: torch.Tensor, copy: torch.Tensor, placed: _Placed) -> bool:
-    """Whether `t` is the staged tensor of `placed` in the slab's device copy `copy`."""
-    return t.untyped_storage().data_ptr() == copy.data_ptr() and (
-        t.storage_offset() * t.element_size() == placed.offset
-    )
 
 
 class HostState:
@@ -118,9 +90,9 @@ class HostState:
         self.staging_fallbacks = 0
         self.staged_bytes = 0
         self._placed: dict[tuple[int, str], _Placed] = {}  # (id(parameter), key) -> its state
-        # What the step under way staged: (slab, its device copy) to copy back after it, and
+        # What the step under way staged: (state dict, key, placed) to copy back after it, and
         # the stream it staged on.
-        self._staged: list[tuple[_Slab, torch.Tensor, list[_Placed]]] = []
+        self._staged: list[tuple[dict[str, Any], str, _Placed]] = []
         self._staged_on: torch.cuda.Stream | None = None
         self._staged_pointers: set[int] = set()
         self._last_out: torch.cuda.Event | None = None
@@ -135,48 +107,33 @@ class HostState:
             "host_staging_fallbacks": self.staging_fallbacks,
         }
 
-    def place(self, items: list[tuple[torch.Tensor, dict[str, Any], str]]) -> int:
-        """Moves ``state[key]`` of each (parameter, state, key) to the host, in one slab: those
-        of one parameter group, staged together. Returns how many moved (a tensor that is not
-        contiguous from its storage's start stays where it is)."""
-        items = [
-            (p, state, key)
-            for p, state, key in items
-            if state[key].is_contiguous() and state[key].storage_offset() == 0
-        ]
-        if not items:
-            return 0
-        offsets, total = [], 0
-        for _, state, key in items:
-            offsets.append(total)
-            total += -(-state[key].nbytes // ALIGNMENT) * ALIGNMENT
+    def place(self, parameter: torch.Tensor, state: dict[str, Any], key: str) -> bool:
+        """Moves ``state[key]`` to the host; False (and nothing done) if it cannot go there."""
+        value = state[key]
+        if not value.is_contiguous() or value.storage_offset() != 0:
+            return False
         cuda = self.device.type == "cuda"
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=cuda)
+        host.copy_(value)
         if cuda:
             from .managed import _alias
 
-            view = _alias(host, host.data_ptr(), total, self.device)
+            raw = _alias(host, host.data_ptr(), host.nbytes, self.device)
+            view = raw.view(value.dtype).view(value.shape)
         else:
             view = host
-        slab = _Slab(host, view)
         pointer = host.untyped_storage().data_ptr()
-        _HOST_POINTERS[pointer] = total
+        _HOST_POINTERS[pointer] = host.nbytes
         weakref.finalize(host, _HOST_POINTERS.pop, pointer, None)
-        for (parameter, state, key), offset in zip(items, offsets):
-            value = state[key]
-            _carve(host, offset, value).copy_(value)
-            placed = _Placed(slab, offset, state, key)
-            slab.members.append(placed)
-            self._placed[(id(parameter), key)] = placed
-            state[key] = placed.view
-        self.placed_bytes += total  # the slab: the state and the alignment between
-        return len(items)
+        self._placed[(id(parameter), key)] = _Placed(host, view)
+        state[key] = view
+        self.placed_bytes += host.nbytes
+        return True
 
     def stage_in(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before a step: the slabs holding the state it reads are staged on the device, or
-        the state is read in place."""
+        """Before a step: the state it reads is staged on the device, or read in place."""
         self.flush()
-        slabs: dict[int, _Slab] = {}
+        found = []
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 state = optimizer.state.get(parameter)
@@ -185,33 +142,29 @@ class HostState:
                 for key in state:
                     placed = self._placed.get((id(parameter), key))
                     if placed is not None and state[key] is placed.view:
-                        slabs[id(placed.slab)] = placed.slab
-        if not slabs:
+                        found.append((state, key, placed))
+        if not found:
             return
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None:
-            # The host bytes are those of the slabs' last step (an iteration old, as a rule:
+            # The host bytes are those of the tensors' last step (an iteration old, as a rule:
             # not the step just before, whose copy out runs beside this copy in).
-            events = {id(s.out_event): s.out_event for s in slabs.values() if s.out_event}
+            events = {id(p.out_event): p.out_event for _, _, p in found if p.out_event}
             for event in events.values():
                 stream.wait_event(event)
-        nbytes = sum(slab.host.nbytes for slab in slabs.values())
+        nbytes = sum(placed.host.nbytes for _, _, placed in found)
         if nbytes > self.staging_bytes:
             self.in_place_steps += 1
             return
-        copies = self._device_copies([slab.view for slab in slabs.values()], stream)
+        copies = self._device_copies([placed.view for _, _, placed in found], stream)
         if copies is None:
             self.staging_fallbacks += 1
             self.in_place_steps += 1
             return
-        for copy, slab in zip(copies, slabs.values()):
-            copy.copy_(slab.host, non_blocking=True)
-            swapped = []
-            for placed in slab.members:
-                if placed.state.get(placed.key) is placed.view:
-                    placed.state[placed.key] = _carve(copy, placed.offset, placed.view)
-                    swapped.append(placed)
-            self._staged.append((slab, copy, swapped))
+        for copy, (state, key, placed) in zip(copies, found):
+            copy.copy_(placed.host, non_blocking=True)
+            state[key] = copy
+            self._staged.append((state, key, placed))
             self._staged_pointers.add(copy.untyped_storage().data_ptr())
         self._staged_on = stream
         self.staged_steps += 1
@@ -220,7 +173,7 @@ class HostState:
     def _device_copies(
         self, views: list[torch.Tensor], stream: torch.cuda.Stream | None
     ) -> list[torch.Tensor] | None:
-        """Device memory for the staged slabs, None when there is no room. It comes from the
+        """Device memory for the staged copies, None when there is no room. It comes from the
         compute stream's pool (the default stream's) even when the step runs on a side stream:
         memory a side stream caches is out of the compute stream's reach, and under the
         session's limit PyTorch would free it, synchronizing every stream, to serve the
@@ -240,38 +193,33 @@ class HostState:
 
     def replaced(self) -> list[torch.Tensor]:
         """The tensors the step under way put in place of staged state (instead of updating it
-        in place): stage_out copies them into the slab, so they must hold their bytes then."""
-        out = []
-        for _, copy, swapped in self._staged:
-            for placed in swapped:
-                current = placed.state.get(placed.key)
-                if current is not None and not _is_carved(current, copy, placed):
-                    out.append(current)
-        return out
+        in place): stage_out copies them to the host, so they must hold their bytes then."""
+        return [
+            state[key]
+            for state, key, _ in self._staged
+            if state.get(key) is not None
+            and state[key].untyped_storage().data_ptr() not in self._staged_pointers
+        ]
 
     def stage_out(self) -> None:
-        """After a step: each staged slab goes back to the host, on the step's stream."""
+        """After a step: what it staged goes back to the host, on the step's stream."""
         staged, self._staged = self._staged, []
         self._staged_pointers.clear()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._staged_on is not None and stream != self._staged_on:
             stream.wait_stream(self._staged_on)  # a step that raised, on another stream
-        for slab, copy, swapped in staged:
-            for placed in swapped:
-                current = placed.state.get(placed.key)
-                if current is not None and not _is_carved(current, copy, placed):
-                    # The step put a new tensor in its place: that is the state now.
-                    _carve(copy, placed.offset, placed.view).copy_(current)
-                placed.state[placed.key] = placed.view
-            slab.host.copy_(copy, non_blocking=True)
+        for state, key, placed in staged:
+            copy = state[key]
+            placed.host.copy_(copy, non_blocking=True)
+            state[key] = placed.view
             if stream is not None:
                 copy.record_stream(stream)  # reused once the copy out has read it
                 if self._staged_on is not None and self._staged_on != stream:
                     copy.record_stream(self._staged_on)
         if stream is not None and staged:
             event = stream.record_event()
-            for slab, _, _ in staged:
-                slab.out_event = event
+            for _, _, placed in staged:
+                placed.out_event = event
             self._last_out = event
 
     def is_staged(self, t: torch.Tensor) -> bool:

@@ -716,8 +716,9 @@ class LmsSession:
     def _optimizer_ends(self, *_: object) -> None:
         if self._host_state.placed_bytes:
             with self._own_operators():
-                # State the step replaced instead of updating in place goes to the host in
-                # the staged slab: in with its bytes if this session paged it out, and forgotten.
+                # State the step replaced instead of updating in place goes to the host: in
+                # with its bytes if this session paged it out (reading it out is an illegal
+                # address), and forgotten.
                 for t in self._host_state.replaced():
                     self._let_go(_storage_id(t))
                 self._host_state.stage_out()
@@ -761,25 +762,20 @@ class LmsSession:
         """Note [Optimizer state on the host]: each state tensor of the host groups moves to the
         host, out of the session's hands, staged for each step (Note [Staging the state on the
         host] in host_state.py)."""
-        ours = {id(g) for g in optimizer.param_groups}
-        for group in self._host_groups:
-            if id(group) not in ours:
+        on_host = {id(p) for group in self._host_groups for p in group["params"]}
+        for parameter, state in optimizer.state.items():
+            if id(parameter) not in on_host:
                 continue
-            items = []  # one slab a group: staged together
-            for parameter in group["params"]:
-                state = optimizer.state.get(parameter)
-                for key, value in list(state.items()) if state else ():
-                    if (
-                        not isinstance(value, torch.Tensor)
-                        or value.device != self.device
-                        or value.nbytes < self.min_bytes
-                        or is_on_host(value)
-                    ):
-                        continue
-                    self._let_go(_storage_id(value))
-                    items.append((parameter, state, key))
-            if items:
-                self._host_state.place(items)
+            for key, value in list(state.items()):
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.device != self.device
+                    or value.nbytes < self.min_bytes
+                    or is_on_host(value)
+                ):
+                    continue
+                self._let_go(_storage_id(value))
+                self._host_state.place(parameter, state, key)
 
     def _let_go(self, block: int) -> None:
         """The session stops managing `block` (its bytes go on living elsewhere: the host's

@@ -193,17 +193,6 @@ def test_staging_under_either_watch_with_paging_trains_the_same(watch):
     assert stats["host_staged_steps"] == 2 * 4
 
 
-def test_each_group_s_state_lies_in_one_host_buffer():
-    model, optimizer = make_model(groups=True)
-    on_host = optimizer.param_groups[-3:]
-    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
-    train(model, optimizer, session, steps=2)
-    buffers = [{m.untyped_storage().data_ptr() for m in moments(optimizer, [g])} for g in on_host]
-    session.close()
-    assert [len(b) for b in buffers] == [1, 1, 1]  # a slab a group
-    assert len(set().union(*buffers)) == 3
-
-
 class NewTensorMomentum(torch.optim.Optimizer):
     """Momentum SGD that puts a new state tensor in place at each step, as some optimizers do,
     instead of updating it in place."""
@@ -246,38 +235,3 @@ def test_a_step_that_puts_a_new_state_tensor_in_place_keeps_it():
         assert torch.equal(mine, theirs)
     ours = [optimizer.state[p]["m"] for p in parameters if optimizer.state[p]["m"].nbytes >= SMALL]
     assert ours and all(is_on_host(m) for m in ours)
-
-
-def test_state_of_a_parameter_without_a_gradient_is_copied_back_unchanged():
-    """The slab is staged whole for the step of its other parameters; the skipped parameter's
-    moments come back as they were."""
-
-    def run(with_session):
-        model, _ = make_model()
-        last_two = [p for block in list(model)[-2:] for p in block.parameters()]
-        rest = [p for block in list(model)[:-2] for p in block.parameters()]
-        optimizer = torch.optim.AdamW([{"params": rest}, {"params": last_two}], lr=1e-3)
-        session = (
-            session_for(model, optimizer, limit=10**9, optimizer_state=[optimizer.param_groups[1]])
-            if with_session
-            else None
-        )
-        losses = train(model, optimizer, session, steps=2)
-        frozen = list(model)[-1][0].weight
-        frozen.requires_grad_(False)
-        before = [v.clone() for k, v in optimizer.state[frozen].items() if k != "step"]
-        losses += train(model, optimizer, session, steps=2)
-        after = [v for k, v in optimizer.state[frozen].items() if k != "step"]
-        stats = session.stats() if session is not None else None
-        if session is not None:
-            session.close()
-        return losses, list(model.parameters()), before, after, stats
-
-    want_losses, want_parameters, *_ = run(False)
-    losses, parameters, before, after, stats = run(True)
-    assert losses == want_losses
-    for mine, theirs in zip(parameters, want_parameters):
-        assert torch.equal(mine, theirs)
-    assert all(is_on_host(v) for v in after)
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
-    assert stats["host_staged_steps"] == 3  # the group's slab at the steps after the first
