@@ -153,9 +153,10 @@ Note [Optimizer state on the host]
     is paged with everything else, so the link carries only what does not fit.
     ``suggest_placement`` names the last groups (a backward completes them first, and with
     ``step_in_backward`` their steps overlap the most of it) until the parameters, the
-    gradients and the state left on the device take 3/4 of the limit. Between steps the
-    optimizer holds device tensors over the host bytes (``host_state.is_on_host`` says which),
-    so reading them anywhere reads the right bytes; ``close()`` leaves them there.
+    gradients and the state left on the device take half the limit (but a quarter of the state
+    stays on the device if that fits in 3/4 of it). Between steps the optimizer holds device
+    tensors over the host bytes (``host_state.is_on_host`` says which), so reading them
+    anywhere reads the right bytes; ``close()`` leaves them there.
 
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
@@ -1206,14 +1207,20 @@ class _Busy:
 PLACEMENTS = ("device", "host")
 # What the parameters, the gradients (unless step_in_backward frees them as it goes) and the
 # state kept on the device may take of the limit together; the rest of the limit is for
-# activations and paging. Measured on an H100 (README, "LMS v2"): GPT-2 XL under
-# step_in_backward(free_gradients=True) trained fastest with 1/2 of AdamW's state on the host at
-# 2x (0.382 s against 0.396 at 3/4 and 0.485 at 1/4) and 3/4 of it at 3x (0.510 s against 0.633
-# at 1/2); that is the share this fraction gives (0.42 and 0.78, rounded up to whole groups).
-# Without freed gradients it puts all or nearly all of XL's state on the host (faster there than
-# paged: 0.508 against 0.745 s at 2x on an H200) and all of GPT-2 medium's on the device at 3x
-# and 4x (faster there: 0.205 against 0.225 s, 0.308 against 0.317 s).
-PERSISTENT_SHARE = 3 / 4
+# activations and paging. A quarter of the state stays on the device all the same where that
+# fits under MOST_PERSISTENT_SHARE of the limit. With the state read in place over the link,
+# 3/4 alone was best on an H100 (README, "LMS v2"). Staged through the device (Note [Staging
+# the state on the host]) the state on the host costs the step less and the room it leaves
+# counts more, up to a point. GPT-2 XL under step_in_backward(free_gradients=True), the last
+# 9.16 GiB of its 11.61 GiB of AdamW state on the host: at 2x (where 3/4 alone put 5.04 GiB
+# there) 0.91x the step time on an H100 (scripts/ab_python_change.py, 2 rounds; on an H200, one
+# run each, 0.289 s against 0.450, and all of it 0.361); at 3x (what 3/4 alone gave) all of it
+# on the host took 1.15x as long on that H100 (equal on the H200): staged whole, the state
+# outlasts the backward on the link. GPT-2 medium at 4x (gradients kept, 0.72 of its 2.64 GiB
+# on the host) ran 0.75x of its ideal on an H100, against 0.65-0.68x with all of it on the
+# device on other H100s; at 3x its state stays on the device either way.
+PERSISTENT_SHARE = 1 / 2
+MOST_PERSISTENT_SHARE = 3 / 4
 _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
 
 
@@ -1228,11 +1235,11 @@ def suggest_placement(
     "host" or a list of parameter groups whose state goes to the host}. The parameters, their
     gradients (not counted with ``gradients_freed=True``: ``step_in_backward(optimizer,
     free_gradients=True)`` drops each group's as soon as it has stepped) and the state left on
-    the device should take at most 3/4 of the limit; the state of the last parameter groups
-    (those a backward through a model in order completes first, whose steps overlap the most
-    of it) goes to the host until they do. The state is counted from what the optimizers hold,
-    or estimated from their parameters (two tensors a parameter for the Adam family, one for
-    Adagrad and SGD with momentum)."""
+    the device should take at most half the limit, or 3/4 of it with a quarter of the state left
+    on the device; the state of the last parameter groups (those a backward through a model in
+    order completes first, whose steps overlap the most of it) goes to the host until they do.
+    The state is counted from what the optimizers hold, or estimated from their parameters (two
+    tensors a parameter for the Adam family, one for Adagrad and SGD with momentum)."""
     optimizers = list(optimizers)
     del modules  # the parameters are counted through the optimizers
     groups: list[tuple[dict[str, Any], int]] = []  # (group, its state's bytes)
@@ -1252,6 +1259,9 @@ def suggest_placement(
     state_bytes = sum(held for _, held in groups)
     fixed = parameter_bytes * (1 if gradients_freed else 2)
     room = int(limit * PERSISTENT_SHARE) - fixed  # for the state left on the device
+    # ... but a quarter of the state stays, where it fits under MOST_PERSISTENT_SHARE: staged
+    # all on the host, it outlasts the backward on the link.
+    room = max(room, min(int(limit * MOST_PERSISTENT_SHARE) - fixed, state_bytes // 4))
     if state_bytes <= max(room, 0):  # no state at all stays "device" too
         return {"optimizer_state": "device"}
     on_host: list[dict[str, Any]] = []

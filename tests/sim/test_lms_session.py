@@ -325,17 +325,20 @@ def test_suggest_placement_sends_the_last_groups_state_to_the_host_until_the_res
         index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
         return [index[id(group)] for group in where]
 
-    # Parameters, gradients and the state left on the device within 3/4 of the limit.
-    assert placement(16 * parameters) == "device"  # 4 of 12
-    assert placement(16 * parameters // 3) == "device"  # 4 of 4
-    assert placement(4 * parameters) == [3, 4, 5]  # 3 - 2 leaves room for 1 of 2
-    assert placement(8 * parameters // 3) == "host"  # no room for any
+    # Parameters, gradients and the state left on the device within half the limit.
+    assert placement(16 * parameters) == "device"  # 4 of 8
+    assert placement(8 * parameters) == "device"  # 4 of 4
+    assert placement(6 * parameters) == [3, 4, 5]  # 3 - 2 leaves room for 1 of 2
+    # No room under half the limit; a quarter of the state (1 of 6 groups) stays where it fits
+    # under 3/4 of it, since staging all of it outlasts the backward.
+    assert placement(4 * parameters) == [1, 2, 3, 4, 5]
+    assert placement(8 * parameters // 3) == "host"  # no room even under 3/4
     # With gradients freed in the backward they take nothing at the end.
-    assert placement(4 * parameters, gradients_freed=True) == "device"  # 1 + 2 of 3
-    assert placement(8 * parameters // 3, gradients_freed=True) == [3, 4, 5]  # 2 - 1
+    assert placement(6 * parameters, gradients_freed=True) == "device"  # 1 + 2 of 3
+    assert placement(4 * parameters, gradients_freed=True) == [3, 4, 5]  # 2 - 1
     # Once the state exists, it is counted as held.
     train(model, optimizer, steps=1)
-    assert placement(4 * parameters) == [3, 4, 5]
+    assert placement(6 * parameters) == [3, 4, 5]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state at all
     assert tus.suggest_placement([model], [sgd], 1) == {"optimizer_state": "device"}
 
