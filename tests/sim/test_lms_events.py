@@ -17,12 +17,14 @@ session_module = importlib.import_module("torch_uvm_saver.lms_session")
 
 
 @contextlib.contextmanager
-def counting_dispatched_operators():
+def counting_dispatched_operators(in_steps=False):
+    """Operators that pass through the dispatch mode, those of optimizer steps (in_steps) or
+    the others, one count an iteration (append 0 before each)."""
     counts = []
     original = session_module._Dispatch.__torch_dispatch__
 
     def counted(self, func, types, args=(), kwargs=None):
-        if not self.session._in_optimizer_step:
+        if self.session._in_optimizer_step == in_steps:
             counts[-1] += 1
         return original(self, func, types, args, kwargs)
 
@@ -206,25 +208,6 @@ def test_gradients_accumulated_in_place_are_not_lost_to_a_clean_page_out(budget)
         assert torch.equal(mine, theirs)
 
 
-@contextlib.contextmanager
-def counting_step_operators():
-    """Operators of optimizer steps that pass through the dispatch mode, one count an iteration
-    (append 0 before each)."""
-    counts = []
-    original = session_module._Dispatch.__torch_dispatch__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        if self.session._in_optimizer_step:
-            counts[-1] += 1
-        return original(self, func, types, args, kwargs)
-
-    session_module._Dispatch.__torch_dispatch__ = counted
-    try:
-        yield counts
-    finally:
-        session_module._Dispatch.__torch_dispatch__ = original
-
-
 @pytest.mark.parametrize(
     "in_backward, fused",
     [(True, True), (False, True), (True, False)],
@@ -250,7 +233,7 @@ def test_a_small_step_is_replayed_as_one_event_and_a_large_one_by_operators(in_b
     # A quarter of it holds a group's step, fused or not (the for-loop's temporaries count).
     session = session_for(model, optimizer, budget=2_000_000, watch="modules")
     losses = []
-    with counting_step_operators() as step_operators:
+    with counting_dispatched_operators(in_steps=True) as step_operators:
         for _ in range(6):
             step_operators.append(0)
             losses += train(model, optimizer, session, steps=1)
