@@ -1216,9 +1216,10 @@ PLACEMENTS = ("device", "host")
 # there) 0.91x the step time on an H100 (scripts/ab_python_change.py, 2 rounds; on an H200, one
 # run each, 0.289 s against 0.450, and all of it 0.361); at 3x (what 3/4 alone gave) all of it
 # on the host took 1.15x as long on that H100 (equal on the H200): staged whole, the state
-# outlasts the backward on the link. GPT-2 medium at 4x (gradients kept, 0.72 of its 2.64 GiB
-# on the host) ran 0.75x of its ideal on an H100, against 0.65-0.68x with all of it on the
-# device on other H100s; at 3x its state stays on the device either way.
+# outlasts the backward on the link. GPT-2 medium at 4x (gradients freed too, 0.72 of its
+# 2.64 GiB on the host) ran 0.75x of its ideal on an H100, against 0.65-0.68x with all of it on
+# the device on other H100s; at 3x its state stays on the device either way. With gradients
+# kept, the placements this gives have not been timed since the state is staged.
 PERSISTENT_SHARE = 1 / 2
 MOST_PERSISTENT_SHARE = 3 / 4
 _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
