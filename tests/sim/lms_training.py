@@ -69,3 +69,10 @@ def session_for(model, optimizer, budget=200_000, limit=None, **options):
         min_bytes=SMALL,
         **options,
     )
+
+
+def assert_trained_alike(losses, parameters, reference_losses, reference_parameters):
+    """The same losses and the same parameters as the reference training, bit for bit."""
+    assert losses == reference_losses
+    for mine, theirs in zip(parameters, reference_parameters, strict=True):
+        assert torch.equal(mine, theirs)

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from lms_training import SMALL, make_model, session_for, train
+from lms_training import SMALL, assert_trained_alike, make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import host_state
@@ -36,9 +36,7 @@ def reference(steps=STEPS, **options):
 
 def assert_same_training(losses, model, optimizer, expected):
     want_losses, want_parameters, want_optimizer = expected
-    assert losses == want_losses
-    for mine, theirs in zip(model.parameters(), want_parameters):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), want_losses, want_parameters)
     mine, theirs = moments(optimizer), moments(want_optimizer)
     assert len(mine) == len(theirs) > 0
     for ours, reference_moment in zip(mine, theirs):
@@ -230,8 +228,6 @@ def test_a_step_that_puts_a_new_state_tensor_in_place_keeps_it():
     *expected, _ = run(False)
     losses, parameters, optimizer, stats = run(True)
     assert stats["host_staged_steps"] == STEPS - 1
-    assert losses == expected[0]
-    for mine, theirs in zip(parameters, expected[1]):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, parameters, expected[0], expected[1])
     ours = [optimizer.state[p]["m"] for p in parameters if optimizer.state[p]["m"].nbytes >= SMALL]
     assert ours and all(is_on_host(m) for m in ours)

@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.utils.checkpoint
+from lms_training import assert_trained_alike
 
 import torch_uvm_saver as tus
 
@@ -116,6 +117,4 @@ def _train(c, with_session):
 def test_training_under_the_session_is_bit_for_bit_the_same(combination):
     want_losses, want_parameters = _train(combination, with_session=False)
     losses, parameters = _train(combination, with_session=True)
-    assert losses == want_losses
-    for mine, theirs in zip(parameters, want_parameters):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, parameters, want_losses, want_parameters)

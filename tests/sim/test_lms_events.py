@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 import torch.utils.checkpoint
-from lms_training import make_model, session_for, train
+from lms_training import assert_trained_alike, make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
@@ -50,9 +50,7 @@ def test_repeated_iterations_are_watched_by_events_and_train_bit_for_bit(checkpo
             pages.append(session.stats()["pageout_count"] - before)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     # The first iteration makes AdamW's state, so the second is recorded again; then events.
     assert stats["event_recordings"] == 2 and stats["event_iterations"] == 4
     assert stats["event_deviations"] == 0
@@ -95,9 +93,7 @@ def test_an_iteration_that_differs_is_watched_by_operators_from_there_and_record
     losses = train(model, optimizer, session, steps=7, layers_at=layers_at)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     # Steps 0 and 1 recorded, 2 by events; 3 left the record, so 4 recorded, 5 and 6 by events.
     assert stats["event_deviations"] == 1
     assert stats["event_recordings"] == 3 and stats["event_iterations"] == 3
@@ -132,9 +128,7 @@ def test_steps_in_the_backward_are_watched_as_steps(free_gradients):
     losses = train(model, optimizer, session, steps=6)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     assert stats["event_iterations"] == 4 and stats["pageout_count"] > 0
 
 
@@ -203,9 +197,7 @@ def test_gradients_accumulated_in_place_are_not_lost_to_a_clean_page_out(budget)
     stats = session.stats()
     session.close()
     assert stats["event_iterations"] == 4 and stats["clean_pageout_count"] > 0
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -239,9 +231,7 @@ def test_a_small_step_is_replayed_as_one_event_and_a_large_one_by_operators(in_b
             losses += train(model, optimizer, session, steps=1)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     assert stats["event_recordings"] == 2 and stats["event_iterations"] == 4
     assert stats["event_deviations"] == 0 and stats["pageout_count"] > 0
     assert step_operators[1] > 0  # recorded by operators

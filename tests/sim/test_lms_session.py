@@ -4,7 +4,7 @@ scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams in
 import pytest
 import torch
 import torch.utils.checkpoint
-from lms_training import SMALL, make_model, session_for, train
+from lms_training import SMALL, assert_trained_alike, make_model, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
@@ -20,9 +20,7 @@ def test_training_under_a_tight_budget_matches_training_without_bit_for_bit(chec
     losses = train(model, optimizer, session, checkpoint=checkpoint)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     assert stats["pageout_count"] > 0 and stats["pagein_count"] > 0
     assert stats["pageout_bytes"] > 3 * stats["budget_bytes"]  # it really moved the model around
     # Parameters go out again between the optimizer's writes without a copy, and the losses
@@ -301,9 +299,7 @@ def test_optimizer_state_on_the_host_leaves_the_session_and_trains_the_same():
     losses = train(model, optimizer, session)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     big = [m for m in moments if m.nbytes >= SMALL]
     assert big and all(is_on_host(m) for m in big)
@@ -435,9 +431,7 @@ def test_a_write_between_iterations_is_not_lost_to_a_clean_page_out():
     losses = train(model, optimizer, session, steps=2)
     reference = train(reference_model, reference_optimizer, steps=2)
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
 
 
 def test_auto_placement_follows_suggest_placement():
@@ -460,9 +454,7 @@ def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_s
     losses = train(model, optimizer, session)
     stats = session.stats()
     session.close()
-    assert losses == reference
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(mine, theirs)
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     host_parameters = {id(p) for group in on_host for p in group["params"]}
     placed = 0
     for parameter, state in optimizer.state.items():
