@@ -12,6 +12,8 @@ time, each configuration in a process of its own:
     helper               session+steps at --limit-gib with tus.suggest_placement's choice
 
     python scripts/lms_overhead_parts.py [--limit-gib 16.66] [--steps 6] [--only NAME,...]
+    python scripts/lms_overhead_parts.py --regime activation --limit-gib 8.94   (GPT-2 medium,
+        batch 8 x 1024, as the benchmark's activation regime)
 
 Prints one line a configuration and a table last: median step, its difference from the one
 above it and from checkpointing. Needs a GPU and transformers.
@@ -48,17 +50,18 @@ CONFIGS = (
 )
 
 
-def run_one(name: str, limit: int, steps: int, warmup: int) -> dict:
+def run_one(name: str, limit: int, steps: int, warmup: int, regime: str) -> dict:
     import torch_uvm_saver as tus
 
     spec = child.model_spec(
-        SimpleNamespace(regime="state", activation_batch=8, state_batch=1, seq=1024)
+        SimpleNamespace(regime=regime, activation_batch=8, state_batch=1, seq=1024)
     )
     model, _ = child.build_model(spec, seed=0)
     child.enable_checkpointing(model)
     grouped = name != "checkpointing"
     optimizer, _ = child.make_optimizer(child.LMS_V2_CKPT if grouped else child.NATIVE, model)
-    ids = torch.randint(child.VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    shape = (spec["batch"], spec["seq"])
+    ids = torch.randint(child.VOCAB, shape, generator=torch.Generator().manual_seed(0)).cuda()
     session = None
     if name in ("session", "session+steps", "helper"):
         if name == "helper":
@@ -97,17 +100,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--only", help="comma-separated configuration names")
+    parser.add_argument(
+        "--regime",
+        choices=("state", "activation"),
+        default="state",
+        help="the benchmark's regime: GPT-2 XL batch 1 (state) or GPT-2 medium batch 8",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     limit = int(args.limit_gib * GiB)
     if args.one:
-        print(MARK + json.dumps(run_one(args.one, limit, args.steps, args.warmup)), flush=True)
+        print(
+            MARK + json.dumps(run_one(args.one, limit, args.steps, args.warmup, args.regime)),
+            flush=True,
+        )
         return
     names = args.only.split(",") if args.only else list(CONFIGS)
     rows = []
     for name in names:
         command = [sys.executable, __file__, "--one", name, "--limit-gib", str(args.limit_gib)]
         command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        command += ["--regime", args.regime]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
         if not lines:
@@ -117,7 +130,8 @@ def main() -> None:
         result = json.loads(lines[-1][len(MARK) :])
         print(f"{name}: {json.dumps(result)}", flush=True)
         rows.append((name, result))
-    print(f"\nGPT-2 XL on {torch.cuda.get_device_name()}; helper at {args.limit_gib} GiB")
+    model = "GPT-2 XL" if args.regime == "state" else "GPT-2 medium"
+    print(f"\n{model} on {torch.cuda.get_device_name()}; helper at {args.limit_gib} GiB")
     print("configuration | step s (min-max) | vs the one above | vs first")
     first = previous = None
     for name, result in rows:

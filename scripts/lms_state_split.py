@@ -6,6 +6,8 @@ each share of the state given, with and without `free_gradients`. Plain checkpoi
 limit runs first, as the baseline. Each configuration runs in a process of its own.
 
     python scripts/lms_state_split.py --limit-gib 16.66 [--shares 0,0.5,1] [--steps 4]
+    python scripts/lms_state_split.py --regime activation --limit-gib 8.94 ...   (GPT-2 medium,
+        batch 8 x 1024, as the benchmark's activation regime)
 
     python scripts/lms_state_split.py --limit-gib 11.11 --one 0,1 --probe trace   (one
         configuration, then one more step recorded with torch.profiler and laid out as
@@ -433,17 +435,20 @@ def run_one(
     probe: str | None = None,
     watch: str = "operators",
     quiet: bool = True,
+    regime: str = "state",
+    prefetch_depth: int | None = None,
 ) -> dict:
     import torch_uvm_saver as tus
 
     spec = child.model_spec(
-        SimpleNamespace(regime="state", activation_batch=8, state_batch=1, seq=1024)
+        SimpleNamespace(regime=regime, activation_batch=8, state_batch=1, seq=1024)
     )
     model, _ = child.build_model(spec, seed=0)
     child.enable_checkpointing(model)
     baseline = share is None
     optimizer, _ = child.make_optimizer(child.LMS_V2_CKPT if not baseline else child.NATIVE, model)
-    ids = torch.randint(child.VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    shape = (spec["batch"], spec["seq"])
+    ids = torch.randint(child.VOCAB, shape, generator=torch.Generator().manual_seed(0)).cuda()
     session = None
     planner_log: list = []
     if probe == "plans":
@@ -463,6 +468,7 @@ def run_one(
             optimizer_state=placement,
             watch=watch,
             quiet=quiet,
+            prefetch_depth=prefetch_depth,
         )
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
@@ -474,6 +480,8 @@ def run_one(
 
     losses, times = [], []
     for i in range(warmup + steps):
+        if i == warmup:
+            retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if i == warmup and session is not None:
             before = session.stats()
         torch.cuda.synchronize()
@@ -485,6 +493,9 @@ def run_one(
         "step_s": statistics.median(times[warmup:]),
         "peak_gib": torch.cuda.max_memory_reserved() / GiB,
         "losses": losses,
+        # PyTorch's allocator freeing its cache and trying again: each waits for pending copies
+        "alloc_retries": (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
+        / steps,
     }
     if session is not None:
         after = session.stats()
@@ -542,6 +553,13 @@ def main() -> None:
     parser.add_argument("--free", default="1,0", help="free_gradients values to try")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--regime",
+        choices=("state", "activation"),
+        default="state",
+        help="the benchmark's regime: GPT-2 XL batch 1 (state) or GPT-2 medium batch 8",
+    )
+    parser.add_argument("--prefetch-depth", type=int, help="the session's prefetch_depth")
     parser.add_argument("--one", help='one configuration only: "share,free" or "baseline"')
     parser.add_argument("--watch", default="operators", help="the session's watch option")
     parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
@@ -554,7 +572,9 @@ def main() -> None:
     limit = int(args.limit_gib * GiB)
     if args.one is not None:
         if args.one == "baseline":
-            result = run_one(limit, None, False, args.steps, args.warmup, args.probe)
+            result = run_one(
+                limit, None, False, args.steps, args.warmup, args.probe, regime=args.regime
+            )
         else:
             share, free = args.one.split(",")
             result = run_one(
@@ -566,6 +586,8 @@ def main() -> None:
                 args.probe,
                 args.watch,
                 not args.no_quiet,
+                args.regime,
+                args.prefetch_depth,
             )
         print(MARK + json.dumps(result), flush=True)
         return
@@ -577,6 +599,9 @@ def main() -> None:
         command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib), "--one", config]
         command += ["--watch", args.watch] + (["--no-quiet"] if args.no_quiet else [])
         command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        command += ["--regime", args.regime]
+        if args.prefetch_depth is not None:
+            command += ["--prefetch-depth", str(args.prefetch_depth)]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
         if not lines:
