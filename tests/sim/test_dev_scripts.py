@@ -108,8 +108,18 @@ def test_an_ab_against_a_folder_swaps_the_python_files_that_differ(base_tree):
 def test_an_ab_against_a_folder_refuses_a_native_difference(base_tree):
     source = next((base_tree / "allocator").rglob("*.cpp"))
     source.write_text(source.read_text() + "\n// the base differs\n")
-    with pytest.raises(SystemExit, match="native core differs"):
+    with pytest.raises(SystemExit, match=r"native core differs.*--build-sides"):
         ab_python_change.changed_python_files(str(base_tree))
+
+
+def test_an_ab_that_builds_its_sides_needs_the_base_whole(base_tree, tmp_path):
+    # A folder made for swapping Python files holds no build files: refused with what to make.
+    with pytest.raises(SystemExit, match=r"no pyproject\.toml"):
+        ab_python_change.base_source(str(base_tree), tmp_path)
+    # A revision is unpacked whole, ready to build.
+    source = ab_python_change.base_source("HEAD", tmp_path / "scratch")
+    for needed in ("pyproject.toml", "CMakeLists.txt", "allocator", "bindings", "torch_uvm_saver"):
+        assert (source / needed).exists(), needed
 
 
 def test_the_kept_xl_planner_log_replays_to_the_same_plans():
