@@ -491,6 +491,7 @@ def run_one(
         times.append(time.perf_counter() - start)
     out = {
         "step_s": statistics.median(times[warmup:]),
+        "steps_s": [round(t, 4) for t in times[warmup:]],  # a process's own scatter
         "peak_gib": torch.cuda.max_memory_reserved() / GiB,
         "losses": losses,
         # PyTorch's allocator freeing its cache and trying again: each waits for pending copies
