@@ -494,7 +494,8 @@ def run_one(
         "steps_s": [round(t, 4) for t in times[warmup:]],  # a process's own scatter
         "peak_gib": torch.cuda.max_memory_reserved() / GiB,
         "losses": losses,
-        # PyTorch's allocator freeing its cache and trying again: each waits for pending copies
+        # PyTorch's allocator giving its cache back and trying again: each waits for pending
+        # copies and, with expandable segments, synchronizes the stream before it unmaps
         "alloc_retries": (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
         / steps,
     }
