@@ -24,15 +24,15 @@ Note [Watching by events]
     This holds while iterations repeat: the same events in the same order, each followed by the
     same reads. An event that is not the recorded one (another module, one more or one fewer)
     switches the rest of the iteration to the dispatch mode, and the next iteration is recorded
-    again; so is the iteration after one that failed, or that ended holding more storages than
-    it began with (an optimizer's first step). What events cannot see: an operator that reads a
-    managed storage where the recorded iteration did not (control flow that depends on the
-    data inside one module, a parameter read outside the modules given, a gradient read by user
-    code between events) reads it wherever it is, paged out included: an illegal address on the
-    GPU. And, as in a quiet iteration (Note [Quiet iterations]), an operator that runs out of
-    memory raises PyTorch's OutOfMemoryError instead of paging and running again; the
-    iteration after it is recorded, by operators. Keep the default, ``watch="operators"``,
-    where iterations differ.
+    again; so is the iteration after one that failed (a quiet one too), or that ended holding
+    more storages than it began with (an optimizer's first step). What events cannot see: an
+    operator that reads a managed storage where the recorded iteration did not (control flow
+    that depends on the data inside one module, a parameter read outside the modules given, a
+    gradient read by user code between events) reads it wherever it is, paged out included:
+    an illegal address on the GPU. And, as in a quiet iteration (Note [Quiet iterations]), an
+    operator that runs out of memory raises PyTorch's OutOfMemoryError instead of paging and
+    running again; the iteration after it is recorded, by operators (the error carries a note
+    saying so). Keep the default, ``watch="operators"``, where iterations differ.
 
 Note [Steps as one event]
     Under ``step_in_backward`` each optimizer step reads one parameter group (its parameters,
@@ -181,6 +181,11 @@ class EventWatch:
     def watches_operators(self) -> bool:
         """Whether the iteration about to begin runs under the dispatch mode."""
         return self._needs_recording or self._recorded is None
+
+    def record_next(self) -> None:
+        """The next iteration is recorded, by operators (one that ran quiet failed: what it
+        needed may not be what the record pages for)."""
+        self._needs_recording = True
 
     def begin(self) -> None:
         """The session's block is entered: record this iteration, or act on the last record."""

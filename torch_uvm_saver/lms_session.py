@@ -59,9 +59,11 @@ Note [Quiet iterations]
     steady state yet (counting neither page-ins nor dead page-outs, a GPU scenario at two
     thirds of its peak, watched by events, ran out of memory in a quiet iteration on an H100).
     A quiet iteration that raises the allocator's peak above ``limit - limit / 16``, or ends in
-    an error, makes the next iteration watched again. The price: a quiet iteration that needs
-    more than the limit (a longer sequence, a bigger batch) raises PyTorch's OutOfMemoryError
-    instead of paging; run the session with ``quiet=False`` where iterations vary that much.
+    an error, makes the next iteration watched again (by operators: under watch="modules" it is
+    recorded anew). The price: a quiet iteration that needs more than the limit (a longer
+    sequence, a bigger batch) raises PyTorch's OutOfMemoryError instead of paging, with a note
+    that says so and that the next iteration pages as it needs; run the session with
+    ``quiet=False`` where iterations vary that much.
 
 Note [Dead page-outs]
     The planner learns that a storage died only when the session next looks at it: a gradient
@@ -476,11 +478,15 @@ class LmsSession:
         self._active = False
         self._in_optimizer_step = False
         failed = exc_info[0] is not None
+        if isinstance(exc_info[1], torch.OutOfMemoryError):
+            self._explain_unwatched_oom(exc_info[1])
         if self._quiet:
             # The trace of the last watched iteration stays the planner's: no end_iteration.
             peak = self._allocator_peak()
             if failed or (peak > self._peak_at_enter and peak > self._quiet_line):
                 self._quiet = False
+            if failed and self._events is not None:
+                self._events.record_next()  # as after any iteration that failed
             self._sweep()
             for optimizer in self._optimizers:
                 self._adopt_optimizer_state(optimizer)
@@ -506,6 +512,25 @@ class LmsSession:
             and not self._out
             and self._moves() == self._moves_at_enter
         )
+
+    def _explain_unwatched_oom(self, error: torch.OutOfMemoryError) -> None:
+        """PyTorch's out-of-memory error from an iteration that ran its operators unwatched
+        (quiet, or watched by events) gets a note saying why the session did not page, and
+        what recovers: the next iteration is watched by operators and pages as it needs."""
+        if self._quiet:
+            how = "was quiet (Note [Quiet iterations]; quiet=False keeps every iteration watched)"
+        elif self._events is not None and self._events.acting:
+            how = 'was watched by events (watch="modules"; watch="operators" is the default)'
+        else:
+            return  # watched by operators: the session paged and ran again, and still no room
+        add_note = getattr(error, "add_note", None)  # Python 3.11 on
+        if add_note is not None:
+            add_note(
+                f"lms_session: this iteration {how}, so an operator that runs out of memory "
+                "raises instead of paging out and running again. The next iteration is "
+                "watched by operators and pages as it needs: drop what the failed one holds "
+                "(its loss, its outputs) and run it again."
+            )
 
     # -- public ----------------------------------------------------------------------------
 

@@ -132,6 +132,50 @@ def test_steps_in_the_backward_are_watched_as_steps(free_gradients):
     assert stats["event_iterations"] == 4 and stats["pageout_count"] > 0
 
 
+def run_out_of_memory(session, model, x):
+    """One iteration whose forward runs out of memory (raised as PyTorch's allocator would);
+    the error, caught."""
+    with pytest.raises(torch.OutOfMemoryError) as caught, session:
+        for block in model:  # as train() runs it: the recorded events
+            x = block(x)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.54 GiB")
+    return caught.value
+
+
+@pytest.mark.parametrize("unwatched", ["events", "quiet"])
+def test_out_of_memory_unwatched_says_why_and_the_next_iteration_is_recorded(unwatched):
+    model, optimizer = make_model()
+    # Under the budget it pages: iterations after the second run by events. Over everything
+    # it fits: after a watched iteration with nothing to move the session goes quiet.
+    budget = 200_000 if unwatched == "events" else 10**9
+    session = session_for(model, optimizer, budget=budget, watch="modules")
+    train(model, optimizer, session, steps=4)
+    before = session.stats()
+    assert (before["quiet_iterations"] > 0) == (unwatched == "quiet")
+    error = run_out_of_memory(session, model, torch.randn(256, 128))
+    note = "was quiet" if unwatched == "quiet" else 'was watched by events (watch="modules"'
+    assert any(note in text for text in error.__notes__)
+    assert any("The next iteration is watched by operators" in t for t in error.__notes__)
+    # As the note says: the next iteration is recorded, by operators, and trains.
+    losses = train(model, optimizer, session, steps=1)
+    after = session.stats()
+    session.close()
+    assert after["event_recordings"] == before["event_recordings"] + 1
+    assert after["quiet_iterations"] == before["quiet_iterations"] + (unwatched == "quiet")
+    assert losses and all(loss == loss for loss in losses)  # no NaN
+
+
+def test_out_of_memory_in_an_iteration_watched_by_operators_gets_no_note():
+    # There the session pages out and runs the operator again; an error that still comes out
+    # (or, as here, one the user's code raises) is not about watching.
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="operators", quiet=False)
+    train(model, optimizer, session, steps=2)
+    error = run_out_of_memory(session, model, torch.randn(256, 128))
+    session.close()
+    assert not getattr(error, "__notes__", [])
+
+
 def test_watch_must_name_a_way_of_watching():
     model, optimizer = make_model()
     with pytest.raises(errors.InvalidArgumentError, match="watch must be one of operators"):
