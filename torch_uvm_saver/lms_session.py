@@ -517,6 +517,8 @@ class LmsSession:
         """PyTorch's out-of-memory error from an iteration that ran its operators unwatched
         (quiet, or watched by events) gets a note saying why the session did not page, and
         what recovers: the next iteration is watched by operators and pages as it needs."""
+        if isinstance(error, OutOfMemoryError):
+            return  # the session's own: it paged, and its message says what did not fit
         if self._quiet:
             how = "was quiet (Note [Quiet iterations]; quiet=False keeps every iteration watched)"
         elif self._events is not None and self._events.acting:

@@ -132,13 +132,13 @@ def test_steps_in_the_backward_are_watched_as_steps(free_gradients):
     assert stats["event_iterations"] == 4 and stats["pageout_count"] > 0
 
 
-def run_out_of_memory(session, model, x):
-    """One iteration whose forward runs out of memory (raised as PyTorch's allocator would);
-    the error, caught."""
+def run_out_of_memory(session, model, x, error=torch.OutOfMemoryError):
+    """One iteration whose forward runs out of memory (raised as PyTorch's allocator would,
+    or as given); the error, caught."""
     with pytest.raises(torch.OutOfMemoryError) as caught, session:
         for block in model:  # as train() runs it: the recorded events
             x = block(x)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.54 GiB")
+        raise error("CUDA out of memory. Tried to allocate 1.54 GiB")
     return caught.value
 
 
@@ -165,13 +165,20 @@ def test_out_of_memory_unwatched_says_why_and_the_next_iteration_is_recorded(unw
     assert losses and all(loss == loss for loss in losses)  # no NaN
 
 
-def test_out_of_memory_in_an_iteration_watched_by_operators_gets_no_note():
-    # There the session pages out and runs the operator again; an error that still comes out
-    # (or, as here, one the user's code raises) is not about watching.
+def test_out_of_memory_that_is_not_for_want_of_watching_gets_no_note():
+    # Watched by operators, the session pages out and runs the operator again; an error that
+    # still comes out (or, as here, one the user's code raises) is not about watching.
     model, optimizer = make_model()
     session = session_for(model, optimizer, watch="operators", quiet=False)
     train(model, optimizer, session, steps=2)
     error = run_out_of_memory(session, model, torch.randn(256, 128))
+    session.close()
+    assert not getattr(error, "__notes__", [])
+    # The session's own error, from an iteration watched by events: it paged and found no room.
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="modules")
+    train(model, optimizer, session, steps=4)
+    error = run_out_of_memory(session, model, torch.randn(256, 128), errors.OutOfMemoryError)
     session.close()
     assert not getattr(error, "__notes__", [])
 
