@@ -81,36 +81,41 @@ def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
 
 
 def print_samples(one, steps: int, interval: float = 0.0005) -> None:
-    """Where the host spends a step: the training thread's stack sampled from another thread
-    every `interval` seconds over `steps` steps (the switch interval lowered to match), each
-    function counted once per sample it is on the stack in. A sampler perturbs far less than
-    cProfile, which made this step a third slower."""
+    """Where the host spends a step: every Python thread's stack (the training thread's, and
+    autograd's, which runs the backward and its hooks) sampled from another thread every
+    `interval` seconds over `steps` steps (the switch interval lowered to match), each function
+    counted once per sample it is on the stack in. A sampler perturbs far less than cProfile,
+    which made this step a third slower."""
     import collections
     import threading
 
     main = threading.get_ident()
-    inclusive: collections.Counter = collections.Counter()
-    leaves: collections.Counter = collections.Counter()
+    inclusive: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    leaves: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     samples = 0
     done = threading.Event()
 
     def sampler() -> None:
         nonlocal samples
+        me = threading.get_ident()
         while not done.is_set():
             time.sleep(interval)
-            frame = sys._current_frames().get(main)
-            seen = set()
-            leaf = True
-            while frame is not None:
-                code = frame.f_code
-                name = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
-                if leaf:
-                    leaves[name] += 1
-                    leaf = False
-                if name not in seen:
-                    seen.add(name)
-                    inclusive[name] += 1
-                frame = frame.f_back
+            for thread, frame in sys._current_frames().items():
+                if thread == me:
+                    continue
+                seen = set()
+                leaf = True
+                while frame is not None:
+                    code = frame.f_code
+                    name = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:"
+                    name += code.co_name
+                    if leaf:
+                        leaves[thread][name] += 1
+                        leaf = False
+                    if name not in seen:
+                        seen.add(name)
+                        inclusive[thread][name] += 1
+                    frame = frame.f_back
             samples += 1
 
     switch = sys.getswitchinterval()
@@ -127,12 +132,14 @@ def print_samples(one, steps: int, interval: float = 0.0005) -> None:
     wall = time.perf_counter() - start
     sys.setswitchinterval(switch)
     print(f"sampled {samples} times over {steps} steps ({wall / steps:.3f} s a step)")
-    print("on the stack (share of samples):")
-    for name, count in inclusive.most_common(45):
-        print(f"  {count / samples:6.1%}  {name}")
-    print("innermost Python frame:")
-    for name, count in leaves.most_common(25):
-        print(f"  {count / samples:6.1%}  {name}")
+    for ident in sorted(inclusive, key=lambda t: t != main):
+        name = "the training thread" if ident == main else f"thread {ident} (autograd's)"
+        print(f"{name}, on the stack (share of all samples, {samples / steps:.0f} a step):")
+        for function, count in inclusive[ident].most_common(40):
+            print(f"  {count / samples:6.1%}  {function}")
+        print(f"{name}, innermost Python frame:")
+        for function, count in leaves[ident].most_common(20):
+            print(f"  {count / samples:6.1%}  {function}")
 
 
 def print_operator_times(one, steps: int, session: bool) -> None:
@@ -474,30 +481,38 @@ def run_one(
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()
 
+    queued: list[float] = []
+
     def one() -> float:
         with session if session is not None else contextlib.nullcontext():
-            return step(model, optimizer, ids)
+            return step(model, optimizer, ids, queued)
 
-    losses, times = [], []
+    def retries() -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+    losses, times, queue_times, step_retries = [], [], [], []
     for i in range(warmup + steps):
-        if i == warmup:
-            retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if i == warmup and session is not None:
             before = session.stats()
+        retries_at_start = retries()
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(one())
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        queue_times.append(queued[-1] - start)
+        step_retries.append(retries() - retries_at_start)
     out = {
         "step_s": statistics.median(times[warmup:]),
         "steps_s": [round(t, 4) for t in times[warmup:]],  # a process's own scatter
+        # The host's time to queue each step: near the step's time, the host set the pace
+        "queued_s": [round(t, 4) for t in queue_times[warmup:]],
+        "retries": step_retries[warmup:],
         "peak_gib": torch.cuda.max_memory_reserved() / GiB,
         "losses": losses,
         # PyTorch's allocator giving its cache back and trying again: each waits for pending
         # copies and, with expandable segments, synchronizes the stream before it unmaps
-        "alloc_retries": (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
-        / steps,
+        "alloc_retries": sum(step_retries[warmup:]) / steps,
     }
     if session is not None:
         after = session.stats()

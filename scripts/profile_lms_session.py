@@ -51,12 +51,16 @@ def build(checkpointing: bool):
     return model, torch.optim.AdamW(groups, lr=1e-4, fused=True)
 
 
-def step(model, optimizer, ids) -> float:
+def step(model, optimizer, ids, queued: list[float] | None = None) -> float:
+    """One iteration; `queued` gets the time at which the host had queued all of it (before the
+    loss is read, the step's one wait for the device)."""
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if queued is not None:
+        queued.append(time.perf_counter())
     return float(loss)
 
 
