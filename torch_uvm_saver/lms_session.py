@@ -124,6 +124,17 @@ Note [Expandable segments]
     way, and turns them off again at close(); ``expandable_segments=False`` leaves the
     allocator alone.
 
+Note [PyTorch's allocator backend]
+    The limit holds through the native caching allocator: its per-process memory fraction caps
+    what it holds, cached blocks included, and a request it cannot serve under it is the
+    out-of-memory error the session pages for. PyTorch's other backend, cudaMallocAsync
+    (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), caps only the bytes in use: the driver's
+    pool behind it keeps what was freed. Under it GPT-2 medium with an 8.94 GiB limit (H200)
+    trained watched by operators while the device held 10.9 GiB, and watched by events ran out
+    of memory in the first iteration that repeated the record. The session refuses to open
+    there (InvalidStateError) rather than break its limit; a pluggable allocator is not
+    checked.
+
 Note [Storages made before the session]
     Expandable segments serve the segments made after they are turned on. The parameters, and
     the optimizer's state when it exists already, were allocated before, in fixed segments: a
@@ -1172,8 +1183,10 @@ class LmsSession:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
 
     def _prepare_allocator(self) -> None:
-        """Checks the limit and turns expandable segments on; the limit itself is set once the
-        storages that were there before are moved (_move_out_of_fixed_segments)."""
+        """Checks the allocator's backend and the limit and turns expandable segments on; the
+        limit itself is set once the storages that were there before are moved
+        (_move_out_of_fixed_segments)."""
+        _refuse_unbounded_backend()
         if self._expandable and "expandable_segments" not in _allocator_settings():
             self._expandable_turned_on = _set_allocator_settings("expandable_segments:True")
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -1307,6 +1320,18 @@ def _describe_group(group: object) -> str:
     if isinstance(group, dict) and isinstance(group.get("params"), list):
         return f"a dict with {len(group['params'])} parameters"
     return f"{group!r:.80} ({type(group).__name__})"
+
+
+def _refuse_unbounded_backend() -> None:
+    """Note [PyTorch's allocator backend]."""
+    backend = torch.cuda.get_allocator_backend()
+    if backend == "cudaMallocAsync":
+        raise InvalidStateError(
+            "lms_session: PyTorch's allocator backend is cudaMallocAsync "
+            "(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which bounds only the bytes in "
+            "use, not the memory its pool holds, so the session could not keep its limit; run "
+            "the process without backend:cudaMallocAsync (the native caching allocator)"
+        )
 
 
 def _allocator_settings() -> str:

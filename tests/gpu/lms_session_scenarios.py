@@ -581,6 +581,53 @@ def watching_by_modules_trains_bit_for_bit_under_the_limit() -> None:
     assert stats["pageout_bytes"] > 0
 
 
+# Runs in a process of its own, started with PyTorch's cudaMallocAsync backend (chosen when CUDA
+# starts, so not switchable inside the scenario's process).
+_ASYNC_BACKEND_CHILD = """
+import torch
+import torch_uvm_saver as tus
+from torch_uvm_saver.errors import InvalidStateError
+
+assert torch.cuda.get_allocator_backend() == "cudaMallocAsync", torch.cuda.get_allocator_backend()
+model = torch.nn.Linear(1024, 1024).cuda()
+optimizer = torch.optim.AdamW(model.parameters())
+try:
+    tus.lms_session(1 << 30, modules=[model], optimizers=[optimizer], watch="modules")
+except InvalidStateError as error:
+    assert "backend:cudaMallocAsync" in str(error), error
+    print("REFUSED:", error)
+else:
+    raise AssertionError("lms_session opened under cudaMallocAsync")
+# Nothing was left behind: no hooks, the model trains as before.
+assert not model._forward_pre_hooks and not model._forward_hooks
+assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+model(torch.randn(8, 1024, device="cuda")).sum().backward()
+optimizer.step()
+print("TRAINED")
+"""
+
+
+@scenario
+def the_cuda_malloc_async_backend_is_refused_at_open() -> None:
+    # Note [PyTorch's allocator backend]: under it the device held 10.9 GiB against an 8.94 GiB
+    # limit; the session refuses to open and leaves the model as it was.
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    result = subprocess.run(
+        [sys.executable, "-c", _ASYNC_BACKEND_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    print(output)
+    assert result.returncode == 0, output
+    assert "REFUSED:" in result.stdout and "TRAINED" in result.stdout, output
+
+
 def _sleep_on(stream) -> None:
     import torch
 

@@ -1,6 +1,8 @@
 """lms_session on CPU tensors: the relocation and autograd logic that CI can run (the GPU
 scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
 
+import importlib
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -496,3 +498,14 @@ def test_optimizer_state_out_at_the_end_of_its_first_step_is_kept_for_good():
     assert all(session._entries[block].strong is not None for block in blocks)
     train(model, optimizer, session, steps=2)
     session.close()
+
+
+def test_the_cuda_malloc_async_backend_is_refused_with_the_reason(monkeypatch):
+    # Note [PyTorch's allocator backend]: its pool is not bounded by the fraction the session
+    # sets. The GPU scenario opens a session in a process started with that backend.
+    session_module = importlib.import_module("torch_uvm_saver.lms_session")  # not the function
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with pytest.raises(errors.InvalidStateError, match="backend:cudaMallocAsync"):
+        session_module._refuse_unbounded_backend()
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    session_module._refuse_unbounded_backend()  # the native caching allocator opens
