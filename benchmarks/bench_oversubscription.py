@@ -206,6 +206,35 @@ CHILD_RESERVE_S = 20.0  # a child's deadline leaves this much of its timeout for
 # ----------------------------------------------------------------------------- parent process
 
 
+def combine_processes(results: list[dict]) -> dict:
+    """One column's result from its processes (--processes): the figures of the process with
+    the median step (the lower of the two middle ones when even), so that every figure comes
+    from one run; the peak the highest any process reached (a limit holds only if it held in
+    all); each process's median step and what failed kept beside them."""
+    if len(results) == 1:
+        return results[0]
+    ran = sorted((r for r in results if good(r)), key=lambda r: r["step_median_s"])
+    if not ran:
+        combined = dict(results[-1])
+    else:
+        combined = dict(ran[(len(ran) - 1) // 2])
+        combined["peak_bytes"] = max(r["peak_bytes"] for r in ran)
+    combined["process_step_medians"] = [r["step_median_s"] for r in ran]
+    combined["processes"] = [
+        {
+            key: r.get(key)
+            for key in ("step_median_s", "step_s", "peak_bytes", "wall_s", "error")
+            if r.get(key) is not None
+        }
+        for r in results
+    ]
+    failed = len(results) - len(ran)
+    if failed and ran:
+        warning = f"{failed} of {len(results)} processes failed"
+        combined["warning"] = "; ".join(filter(None, (combined.get("warning"), warning)))
+    return combined
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     # Never on a shared GPU; and the native columns must stay on PyTorch's allocator.
@@ -268,6 +297,7 @@ class Runner:
         self.skipped: list[tuple[str, float | None, str]] = []
         self.failed: list[str] = []
         self.children = 0
+        self.processes: dict[str, list[dict]] = {}  # this invocation's results, per key
 
     def elapsed(self) -> str:
         seconds = int(time.monotonic() - self.start)
@@ -303,6 +333,7 @@ class Runner:
             for key in (
                 "steps",
                 "warmup",
+                "processes",
                 "seed",
                 "seq",
                 "activation_batch",
@@ -416,6 +447,10 @@ class Runner:
     def store(self, key: str, result: dict | None) -> None:
         if result is None:
             return  # skipped: what the JSON already holds for this key stays
+        if key != "bandwidth":
+            results = self.processes.setdefault(key, [])
+            results.append(result)
+            result = combine_processes(results)
         known = self.data.get("device")
         if known and result.get("device") and result["device"] != known:
             log(f"WARNING: {key} ran on {result['device']}, the JSON holds {known}")
@@ -452,6 +487,14 @@ class Runner:
         else:
             self.open_data(None)
             log("--skip-bandwidth: using the bandwidth already in the JSON")
+        for round_index in range(args.processes):
+            if args.processes > 1:
+                log(f"[{self.elapsed()}] round {round_index + 1} of {args.processes}")
+            self.run_round()
+
+    def run_round(self) -> None:
+        """Each column once: native (for the peak the limits come from), the peers, the
+        columns under each limit, the "no limit" runs."""
         for regime in self.regimes:
             if NATIVE in self.columns or self.native(regime) is None:
                 if NATIVE not in self.columns:
@@ -547,13 +590,15 @@ def parent(args) -> int:
         raise SystemExit(f"--ratios: {error}") from error
     if not ratios or min(ratios) <= 1:
         raise SystemExit("--ratios: each ratio must be above 1 (2 = a limit of half the peak)")
+    if args.processes < 1:
+        raise SystemExit(f"--processes: at least 1, got {args.processes}")
     if args.skip_bandwidth and not (args.merge and args.out):
         raise SystemExit("--skip-bandwidth reuses the bandwidth of --out: give --out and --merge")
     runner = Runner(args, regimes, ratios, columns, no_limit)
     print(
         f"regimes {', '.join(regimes)}; ratios {', '.join(f'{r:g}' for r in ratios)}; "
         f"columns {', '.join(columns)}; no limit {', '.join(no_limit) or 'none'}; "
-        f"{args.warmup} + {args.steps} steps a child; "
+        f"{args.warmup} + {args.steps} steps a child, {args.processes} per column; "
         f"time budget {args.time_budget:.0f} s",
         flush=True,
     )
@@ -592,6 +637,15 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per child")
     parser.add_argument("--warmup", type=int, default=2, help="training steps before timing")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes per column and limit, in rounds over all of them; the column's figures "
+        "are those of the process with the median step (its peak the highest of all), each "
+        "process's median step kept beside them: processes on the lent machines differ by up "
+        "to a third where the host sets the pace",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     parser.add_argument("--activation-batch", type=int, default=8)

@@ -214,6 +214,7 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
         "optimizer_median_s": run.get("optimizer_median_s"),
         "steps_timed": run.get("steps_timed"),
         "pin_parameters": run.get("pin_parameters"),
+        "process_step_medians": run.get("process_step_medians"),
     }
     if column in LMS_COLUMNS:
         row["counters"] = {
@@ -632,6 +633,9 @@ def row_line(column: str, row: dict, group: dict) -> str:
         note.append(f"OOM retries {row['oom_retries']:.0f}")
     if row.get("pin_parameters") not in (None, True, False):
         note.append("pin_parameters failed")
+    steps = row.get("process_step_medians") or []
+    if len(steps) > 1:  # the step shown is the median process's (--processes)
+        note.append(f"{len(steps)} processes {min(steps):.3f}-{max(steps):.3f} s")
     if row.get("warning"):
         note.append(row["warning"])
     return cut(
@@ -737,7 +741,9 @@ def print_report(data: dict) -> None:
         "checkpoint, from native for the others (in parentheses: over the limit). GB/step: bytes "
         "moved a step / 1e9; * estimated (fsdp2), + budget prefetches only. |dloss|: max |loss - "
         f"native| over the steps both ran (<= {LOSS_TOLERANCE}: bf16 noise). The peers "
-        f"({', '.join(PEERS)}) run once without a limit and are compared with each limit."
+        f"({', '.join(PEERS)}) run once without a limit and are compared with each limit. "
+        "With --processes, a column's figures are its median process's (the step), its peak the "
+        "highest; the note gives the processes' range."
     )
 
 

@@ -1,0 +1,77 @@
+"""How bench_oversubscription.py makes one column's result of several processes (--processes):
+the figures of the median process, the highest peak, each process's step kept. No GPU needed:
+the results are what children report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_oversubscription as bench  # noqa: E402
+from oversub_report import make_row, row_line  # noqa: E402
+
+GiB = 1 << 30
+
+
+def child_result(step: float, peak_gib: float, tag: str) -> dict:
+    return {
+        "step_median_s": step,
+        "step_s": [step] * 3,
+        "peak_bytes": int(peak_gib * GiB),
+        "tokens_per_step": 8192,
+        "losses": [1.0],
+        "tag": tag,
+        "wall_s": 30.0,
+    }
+
+
+def test_one_process_is_its_own_result():
+    only = child_result(0.2, 8.0, "a")
+    assert bench.combine_processes([only]) is only
+
+
+def test_the_median_process_gives_the_figures_and_the_highest_peak_is_kept():
+    results = [
+        child_result(0.25, 8.0, "slow"),
+        child_result(0.19, 8.5, "fast"),
+        child_result(0.21, 8.2, "middle"),
+    ]
+    combined = bench.combine_processes(results)
+    assert combined["tag"] == "middle" and combined["step_median_s"] == 0.21
+    assert combined["peak_bytes"] == int(8.5 * GiB)  # a limit holds only if it held in all
+    assert combined["process_step_medians"] == [0.19, 0.21, 0.25]
+    assert [p["step_median_s"] for p in combined["processes"]] == [0.25, 0.19, 0.21]
+    assert "warning" not in combined
+
+
+def test_an_even_count_takes_the_slower_middle_process():
+    results = [child_result(s, 8.0, str(s)) for s in (0.30, 0.20, 0.22, 0.26)]
+    assert bench.combine_processes(results)["step_median_s"] == 0.22
+
+
+def test_a_failed_process_is_named_and_the_others_still_count():
+    results = [
+        child_result(0.2, 8.0, "a"),
+        {"error": "CUDA out of memory", "wall_s": 10.0},
+        child_result(0.3, 8.0, "b"),
+    ]
+    combined = bench.combine_processes(results)
+    assert combined["step_median_s"] == 0.2 and "error" not in combined
+    assert combined["warning"] == "1 of 3 processes failed"
+    assert combined["processes"][1]["error"] == "CUDA out of memory"
+
+
+def test_all_failed_stays_a_failure():
+    results = [{"error": "first"}, {"error": "second"}]
+    assert bench.combine_processes(results)["error"] == "second"
+
+
+def test_the_table_names_the_processes_range():
+    combined = bench.combine_processes([child_result(s, 8.0, str(s)) for s in (0.19, 0.25, 0.2)])
+    native = {"step_median_s": 0.1, "tokens_per_step": 8192, "losses": [1.0]}
+    row = make_row(combined, "lms-v2-overlap", 9 * GiB, None, native)
+    assert row["step_median_s"] == 0.2
+    assert "3 processes 0.190-0.250 s" in row_line("lms-v2-overlap", row, {})
