@@ -619,11 +619,14 @@ def session_result(before: dict, after: dict, steps: int) -> dict:
         return stat(after, key) - stat(before, key)
 
     # Bytes over the link: page-outs that copied (a clean one copies nothing), page-ins on
-    # demand and ahead of need.
+    # demand and ahead of need, and the optimizer state staged from the host for each step and
+    # back after it (host_staged_bytes counts one way; GPT-2 XL at 2x moves nothing else).
     moved = delta("pageout_bytes") - delta("clean_pageout_bytes")
     moved += delta("pagein_bytes") + delta("prefetch_bytes")
+    staged = 2 * delta("host_staged_bytes")
     return {
-        "moved_bytes_per_step": moved / steps,
+        "moved_bytes_per_step": (moved + staged) / steps,
+        "staged_bytes_per_step": staged / steps,
         "moved_kind": "measured",
         "oom_retries_delta": delta("oom_retries"),
         "session_counters_delta": {k: delta(k) for k in SESSION_COUNTERS if k in after},

@@ -75,3 +75,14 @@ def test_the_table_names_the_processes_range():
     row = make_row(combined, "lms-v2-overlap", 9 * GiB, None, native)
     assert row["step_median_s"] == 0.2
     assert "3 processes 0.190-0.250 s" in row_line("lms-v2-overlap", row, {})
+
+
+def test_bytes_moved_count_the_state_staged_from_the_host_both_ways():
+    # GPT-2 XL at 2x pages nothing and stages its state: 0 GB a step was reported before.
+    from oversub_child import session_result
+
+    before = {"pageout_bytes": 0, "prefetch_bytes": 0, "host_staged_bytes": 0}
+    after = {"pageout_bytes": 4e9, "prefetch_bytes": 4e9, "host_staged_bytes": 20e9}
+    result = session_result(before, after, steps=2)
+    assert result["staged_bytes_per_step"] == 20e9  # 10 GB in and 10 GB out a step
+    assert result["moved_bytes_per_step"] == 24e9
