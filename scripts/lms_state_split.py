@@ -24,7 +24,8 @@ A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --f
 
 Prints one line a configuration (median step, the baseline's step over it, peak reserved, state
 on the host, bytes the session moved a step: page-outs, clean ones that copy nothing included,
-page-ins and prefetches; the largest loss difference from the baseline) and a table last.
+page-ins and prefetches; the state staged from the host, both ways; the largest loss
+difference from the baseline) and a table last.
 Needs a GPU and transformers.
 """
 
@@ -518,6 +519,9 @@ def run_one(
         after = session.stats()
         out["moved_gb"] = sum(after[k] - before[k] for k in MOVED) / steps / 1e9
         out["host_gib"] = after["host_placed_bytes"] / GiB
+        # The state staged for each step crosses the link both ways (counted once)
+        staged = after["host_staged_bytes"] - before["host_staged_bytes"]
+        out["staged_gb"] = 2 * staged / steps / 1e9
         out["per_step"] = {k: (after[k] - before[k]) / steps for k in COUNTED}
         out["capped_positions"] = after["capped_positions"]
     if probe == "cprofile":
@@ -636,7 +640,10 @@ def main() -> None:
         f"\nlimit {args.limit_gib} GiB on {torch.cuda.get_device_name()}; "
         "baseline: checkpointing with no limit"
     )
-    print("share,free | step s | vs baseline | peak GiB | host GiB | moved GB/step | max loss diff")
+    print(
+        "share,free | step s | vs baseline | peak GiB | host GiB | moved GB/step | staged GB/step"
+        " | max loss diff"
+    )
     for config, result in rows:
         if result is None:
             print(f"{config} | failed")
@@ -649,7 +656,7 @@ def main() -> None:
         print(
             f"{config} | {result['step_s']:.3f} | {base / result['step_s']:.2f}x | "
             f"{result['peak_gib']:.2f} | {result.get('host_gib', 0):.2f} | "
-            f"{result.get('moved_gb', 0):.2f} | {diff:.1e}"
+            f"{result.get('moved_gb', 0):.2f} | {result.get('staged_gb', 0):.2f} | {diff:.1e}"
         )
 
 
