@@ -127,11 +127,11 @@ Note [Expandable segments]
 Note [PyTorch's allocator backend]
     The limit holds through the native caching allocator: its per-process memory fraction caps
     what it holds, cached blocks included, and a request it cannot serve under it is the
-    out-of-memory error the session pages for. PyTorch's other backend, cudaMallocAsync
-    (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), caps only the bytes in use: the driver's
-    pool behind it keeps what was freed. Under it GPT-2 medium with an 8.94 GiB limit (H200)
-    trained watched by operators while the device held 10.9 GiB, and watched by events ran out
-    of memory in the first iteration that repeated the record. The session refuses to open
+    out-of-memory error the session pages for. Under PyTorch's other backend, cudaMallocAsync
+    (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), the fraction did not bound what the
+    driver's pool behind it held: GPT-2 medium with an 8.94 GiB limit (H200) trained watched by
+    operators while torch.cuda.max_memory_reserved read 10.9 GiB, and watched by events it ran
+    out of memory in the first iteration that repeated the record. The session refuses to open
     there (InvalidStateError) rather than break its limit; a pluggable allocator is not
     checked.
 
@@ -1328,9 +1328,10 @@ def _refuse_unbounded_backend() -> None:
     if backend == "cudaMallocAsync":
         raise InvalidStateError(
             "lms_session: PyTorch's allocator backend is cudaMallocAsync "
-            "(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which bounds only the bytes in "
-            "use, not the memory its pool holds, so the session could not keep its limit; run "
-            "the process without backend:cudaMallocAsync (the native caching allocator)"
+            "(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), under which the memory fraction "
+            "the session sets did not bound what the device held, so it could not keep its "
+            "limit; run the process without backend:cudaMallocAsync (the native caching "
+            "allocator)"
         )
 
 
