@@ -54,6 +54,7 @@ ALLOCATOR_CALLS = (
     "cudaFreeHost",
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+WAIT_SLACK_US = 50.0  # a stream's wait ends this soon after the awaited work at most
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -78,6 +79,26 @@ def overlapping(calls: list[dict], start: float, end: float) -> dict | None:
         if overlaps and (best is None or call["dur"] > best["dur"]):
             best = call
     return best
+
+
+def waited_for(by_stream: dict[int, list[dict]], compute: int, end: float) -> str:
+    """What a stream-wait gap ending at `end` waited for, as a suffix: the work on another
+    stream that ended last, at most WAIT_SLACK_US before the gap did (the event the compute
+    stream waited on is recorded after it); '' when none ended then."""
+    best = None
+    for stream, work in by_stream.items():
+        if stream == compute:
+            continue
+        for e in work:
+            done = e["ts"] + e["dur"]
+            if end - WAIT_SLACK_US <= done <= end and (best is None or done > best[0]):
+                best = (done, stream, e)
+    if best is None:
+        return ""
+    _, stream, e = best
+    moved = e["args"].get("bytes")
+    size = f", {moved / 2**20:.0f} MiB" if moved else ""
+    return f" (stream {stream}: {e['name'][:40]}{size})"
 
 
 def copying_operators(events: list[dict], host_calls: list[dict], first: float, show: int) -> None:
@@ -127,7 +148,9 @@ def slow_allocations(events: list[dict], host_calls: list[dict], first: float) -
         )
 
 
-def analyse(events: list[dict], gap_us: float, show: int) -> None:
+def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
+    """Prints the step's layout (the module's docstring); returns the gaps (ms, start, cause,
+    the work after it)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     host_calls = [
         e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
@@ -175,6 +198,8 @@ def analyse(events: list[dict], gap_us: float, show: int) -> None:
             causes[cause] += host_part / 1e3
             causes["waited on another stream"] += waited / 1e3
             main = cause if host_part >= waited else "waited on another stream"
+            if main == "waited on another stream":
+                main += waited_for(by_stream, compute, end)
             gaps.append(((end - start) / 1e3, start, main, e["name"][:60]))
         end_so_far = max(end_so_far, e["ts"] + e["dur"])
     total = sum(causes.values())
@@ -197,6 +222,7 @@ def analyse(events: list[dict], gap_us: float, show: int) -> None:
             for name, (count, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
         )
     )
+    return gaps
 
 
 def main() -> None:

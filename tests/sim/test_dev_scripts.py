@@ -1,7 +1,8 @@
 """The parts of the developer scripts under scripts/ that decide what a measurement says: the
 replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
-A/B swaps (ab_python_change.py), and the replay of a session's planner calls
-(replay_planner.py). All run here without a GPU."""
+A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay_planner.py),
+and what a traced step's idle gaps are put down to (lms_step_timeline.py). All run here without
+a GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ab_python_change  # noqa: E402
 import lms_allocator_retries  # noqa: E402
+import lms_step_timeline  # noqa: E402
 import replay_planner  # noqa: E402
 
 GiB = 1 << 30
@@ -136,3 +138,41 @@ def test_the_kept_xl_planner_log_replays_to_the_same_plans():
     steady = {k: iterations[5][k] - iterations[4][k] for k in iterations[5]}
     assert steady["pagein_bytes"] == 0  # every page-in a prefetch
     assert round(steady["prefetch_bytes"] / 1e9, 2) == 6.04
+
+
+OUT = "Memcpy DtoH (Device -> Pinned)"  # a page-out's copy, as torch.profiler names it
+
+
+def traced(kind: str, name: str, ts: float, dur: float, **args) -> dict:
+    return {"ph": "X", "cat": kind, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys):
+    # The compute stream (7, the busiest) runs a kernel, then its next one was launched at once
+    # but started only when a 64 MiB copy out on stream 23 ended: a wait on that stream.
+    events = [
+        traced("kernel", "gemm", 0, 2000, stream=7, correlation=1),
+        traced("kernel", "softmax", 3100, 100, stream=7, correlation=2),
+        traced("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        traced("cuda_runtime", "cudaLaunchKernel", 2010, 5, correlation=2),
+        traced("gpu_memcpy", OUT, 100, 2980, stream=23, bytes=64 << 20),
+        traced("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 100, 500, stream=24, bytes=1 << 20),
+    ]
+    gaps = lms_step_timeline.analyse(events, gap_us=50.0, show=4)
+    assert len(gaps) == 1
+    ms, _, cause, after = gaps[0]
+    assert ms == 1.1 and after == "softmax"
+    assert cause == f"waited on another stream (stream 23: {OUT}, 64 MiB)"
+    assert "stream 23" in capsys.readouterr().out
+
+
+def test_a_gap_the_host_was_late_for_names_no_stream():
+    events = [
+        traced("kernel", "gemm", 0, 100, stream=7, correlation=1),
+        traced("kernel", "softmax", 1100, 100, stream=7, correlation=2),
+        traced("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        traced("cuda_runtime", "cudaLaunchKernel", 1090, 5, correlation=2),
+        traced("gpu_memcpy", OUT, 100, 990, stream=23, bytes=1 << 20),
+    ]
+    [(_, _, cause, _)] = lms_step_timeline.analyse(events, gap_us=50.0, show=4)
+    assert cause == "host late (Python)"
