@@ -12,7 +12,8 @@ that work was launched the host was the cause: it sat in a synchronizing call
 after freeing its cache wait for every stream and every pending event), or in the allocator's
 driver calls (cuMemMap, cuMemUnmap, cudaMalloc, ...), or else it was late launching it (Python,
 the dispatch mode). From the launch to the gap's end the stream waited on another stream (a
-page-in landing, a page-out copy still queued). A host that blocks in a synchronizing call
+page-in landing, a page-out copy still queued): the work there that ended last, just before the
+gap did, is named. A host that blocks in a synchronizing call
 while the device is busy shows up as "host late" in the gap that follows: the queue it let
 drain. Prints the step time, the busy time of the compute stream and of each copy direction,
 the gap time by cause, the largest gaps, the operators under which the session queued the most
