@@ -431,7 +431,8 @@ class Runner:
         )
         if "error" in result:
             result["stderr_tail"] = outcome["stderr_tail"]
-            self.failed.append(key)
+            if key not in self.failed:  # once, however many of its processes failed
+                self.failed.append(key)
             log(f"[{self.elapsed()}] {key} FAILED: {result['error']}")
         elif column == "bandwidth":
             log(f"[{self.elapsed()}] bandwidth: link {result['link_gbps']:.1f} GB/s")

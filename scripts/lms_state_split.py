@@ -83,7 +83,7 @@ def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
 
 def print_samples(one, steps: int, interval: float = 0.0005) -> None:
     """Where the host spends a step: every Python thread's stack (the training thread's, and
-    autograd's, which runs the backward and its hooks) sampled from another thread every
+    any other running Python, such as autograd's device thread in a backward) sampled every
     `interval` seconds over `steps` steps (the switch interval lowered to match), each function
     counted once per sample it is on the stack in. A sampler perturbs far less than cProfile,
     which made this step a third slower."""
@@ -134,7 +134,7 @@ def print_samples(one, steps: int, interval: float = 0.0005) -> None:
     sys.setswitchinterval(switch)
     print(f"sampled {samples} times over {steps} steps ({wall / steps:.3f} s a step)")
     for ident in sorted(inclusive, key=lambda t: t != main):
-        name = "the training thread" if ident == main else f"thread {ident} (autograd's)"
+        name = "the training thread" if ident == main else f"thread {ident}"
         print(f"{name}, on the stack (share of all samples, {samples / steps:.0f} a step):")
         for function, count in inclusive[ident].most_common(40):
             print(f"  {count / samples:6.1%}  {function}")

@@ -147,14 +147,22 @@ def traced(kind: str, name: str, ts: float, dur: float, **args) -> dict:
     return {"ph": "X", "cat": kind, "name": name, "ts": ts, "dur": dur, "args": args}
 
 
-def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys):
-    # The compute stream (7, the busiest) runs a kernel, then its next one was launched at once
-    # but started only when a 64 MiB copy out on stream 23 ended: a wait on that stream.
-    events = [
-        traced("kernel", "gemm", 0, 2000, stream=7, correlation=1),
-        traced("kernel", "softmax", 3100, 100, stream=7, correlation=2),
+def compute_gap(first_ends: float, second_launched: float, second_starts: float) -> list[dict]:
+    """The compute stream (7, the busiest): a gemm from 0, then a softmax 100 us long, each
+    launched by the host at the times given."""
+    return [
+        traced("kernel", "gemm", 0, first_ends, stream=7, correlation=1),
+        traced("kernel", "softmax", second_starts, 100, stream=7, correlation=2),
         traced("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
-        traced("cuda_runtime", "cudaLaunchKernel", 2010, 5, correlation=2),
+        traced("cuda_runtime", "cudaLaunchKernel", second_launched, 5, correlation=2),
+    ]
+
+
+def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys):
+    # The softmax was launched at once but started only when a 64 MiB copy out on stream 23
+    # ended: a wait on that stream.
+    events = [
+        *compute_gap(first_ends=2000, second_launched=2010, second_starts=3100),
         traced("gpu_memcpy", OUT, 100, 2980, stream=23, bytes=64 << 20),
         traced("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 100, 500, stream=24, bytes=1 << 20),
     ]
@@ -168,10 +176,7 @@ def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys
 
 def test_a_gap_the_host_was_late_for_names_no_stream():
     events = [
-        traced("kernel", "gemm", 0, 100, stream=7, correlation=1),
-        traced("kernel", "softmax", 1100, 100, stream=7, correlation=2),
-        traced("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
-        traced("cuda_runtime", "cudaLaunchKernel", 1090, 5, correlation=2),
+        *compute_gap(first_ends=100, second_launched=1090, second_starts=1100),
         traced("gpu_memcpy", OUT, 100, 990, stream=23, bytes=1 << 20),
     ]
     [(_, _, cause, _)] = lms_step_timeline.analyse(events, gap_us=50.0, show=4)
