@@ -435,6 +435,16 @@ class LmsSession:
             self._compute_stream = torch.cuda.default_stream(self.device)
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
+        self._events: EventWatch | None = None
+        try:
+            self._open(modules, watch)
+        except BaseException:
+            self._undo_open()  # a refused session leaves no hook and no allocator setting
+            raise
+
+    def _open(self, modules: list[torch.nn.Module], watch: str) -> None:
+        """Takes the parameters and the optimizers' state, hooks them and sets the limit."""
+        if self._cuda:
             self._prepare_allocator()
         for module in modules:
             for name, parameter in module.named_parameters():
@@ -447,7 +457,6 @@ class LmsSession:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
             self._adopt_optimizer_state(optimizer)
-        self._events: EventWatch | None = None
         if watch == "modules":
             self._events = EventWatch(self, modules)
             self._handles.extend(self._events.handles)
@@ -455,6 +464,23 @@ class LmsSession:
             if self._expandable_segments_on():
                 self._move_out_of_fixed_segments()
             self._set_fraction()
+
+    def _undo_open(self) -> None:
+        """After _open raised: what it did, undone (storages it moved stay where they are)."""
+        if self._out:  # paged out while moving out of fixed segments: their bytes come back
+            with contextlib.suppress(Exception):
+                self.fetch_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for entry in self._entries.values():
+            entry.forget()
+        self._entries.clear()
+        if self._cuda and self._previous_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+        if self._expandable_turned_on:
+            _set_allocator_settings("expandable_segments:False")
+        self._closed = True
 
     # -- the training block --------------------------------------------------------------------
 

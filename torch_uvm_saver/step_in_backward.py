@@ -133,12 +133,6 @@ class StepInBackward:
         self._stepped: set[int] = set()  # groups stepped since the user's last step
         self._narrowed = False  # inside a step this object started
         self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, gradient)
-        self._handles = [
-            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
-            for parameter in parameters
-        ]
-        self._handles.append(optimizer.register_step_pre_hook(self._user_step_starts))
-        self._handles.append(optimizer.register_step_post_hook(self._user_step_ends))
         # Groups with state on the host step on lanes of their own, in turn (Note [Stepping in
         # the backward]); made when first needed.
         self._link_streams: list[torch.cuda.Stream] = []
@@ -147,21 +141,32 @@ class StepInBackward:
         # group -> (its state tensors' addresses, whether any lies on the host)
         self._on_host: dict[int, tuple[tuple[int, ...], bool]] = {}
         self._lazy = modules is not None
-        if self._lazy:
-            self._watch(list(modules))
+        modules = self._checked_modules(modules) if self._lazy else []
+        # Every argument checked: a refused call leaves no hook behind.
+        self._handles = [
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+            for parameter in parameters
+        ]
+        self._handles.append(optimizer.register_step_pre_hook(self._user_step_starts))
+        self._handles.append(optimizer.register_step_post_hook(self._user_step_ends))
+        self._watch(modules)
 
-    def _watch(self, modules: list[torch.nn.Module]) -> None:
+    def _checked_modules(self, modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
         if not self.free_gradients:
             raise InvalidArgumentError(
                 "step_in_backward: modules= needs free_gradients=True (a gradient kept after "
                 "its group's step could be zeroed in place while the step still reads it)"
             )
+        modules = list(modules)
         for module in modules:
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(
                     "step_in_backward(modules): expected torch.nn.Module objects, got "
                     f"{module!r:.80} ({type(module).__name__})"
                 )
+        return modules
+
+    def _watch(self, modules: list[torch.nn.Module]) -> None:
         seen: set[int] = set()
         for module in modules:
             for sub in module.modules():

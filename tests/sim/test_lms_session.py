@@ -120,6 +120,23 @@ def test_bad_use_is_refused_with_clear_errors():
         pass
 
 
+def test_a_session_refused_at_a_parameter_leaves_the_training_as_it_was():
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer)
+    model, optimizer = make_model()
+    # A parameter over memory the session cannot resize, after ones it took: it refuses them all.
+    fixed = torch.frombuffer(bytearray(8192), dtype=torch.float32)
+    last = list(model.modules())[-1]
+    last.register_parameter("fixed", torch.nn.Parameter(fixed, requires_grad=False))
+    with pytest.raises(errors.InvalidArgumentError, match=r"fixed'.*cannot be resized"):
+        session_for(model, optimizer)
+    hooked = [p for p in model.parameters() if p._post_accumulate_grad_hooks]
+    assert not hooked and not optimizer._optimizer_step_pre_hooks
+    losses = train(model, optimizer)
+    trained = [p for name, p in model.named_parameters() if not name.endswith("fixed")]
+    assert_trained_alike(losses, trained, reference, reference_model.parameters())
+
+
 class _FakeSchema:
     def __init__(self, mutable):
         self.is_mutable = mutable

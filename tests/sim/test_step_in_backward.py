@@ -173,6 +173,20 @@ def test_free_gradients_must_be_a_flag():
         tus.step_in_backward(optimizer, free_gradients="yes")
 
 
+def test_a_refused_call_leaves_no_hook_behind():
+    model, optimizer = make_model()
+    with pytest.raises(errors.InvalidArgumentError, match="free_gradients=True"):
+        tus.step_in_backward(optimizer, modules=[model])
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        tus.step_in_backward(optimizer, free_gradients=True, modules=[optimizer])
+    # Nothing steps in the backward: the parameters change at the user's step, not before.
+    before = parameters(model)
+    seen = []
+    train(model, optimizer, steps=1, after_backward=lambda: seen.append(parameters(model)))
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], before))
+    assert not any(torch.equal(a, b) for a, b in zip(parameters(model), before))
+
+
 def test_waiting_in_the_forward_trains_the_same_and_needs_free_gradients():
     expected_losses, expected = plain_training(unused_layer=True)
 
