@@ -19,6 +19,8 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         functions, each timed inclusively over --steps more steps)
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
+--one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
+the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a time.
 
 --watch modules and --no-quiet pass watch="modules" and quiet=False to the session.
 
@@ -52,6 +54,11 @@ GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
 MARK = "SPLIT "
 PROBES = ("trace", "cprofile", "sample", "ops", "plans", "pageouts", "host")
+# --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
+# parameter groups) stepping after the backward (groups); and stepping in it (overlap:
+# step_in_backward(free_gradients=True, modules=[model]), as the sessions run it). Where a
+# session's step time goes, piece by piece, with "0,1" (a session, no state on the host).
+WITHOUT_SESSION = ("baseline", "groups", "overlap")
 COUNTED = (  # the session's counters reported per step
     *MOVED,
     "clean_pageout_bytes",
@@ -445,7 +452,10 @@ def run_one(
     quiet: bool = True,
     regime: str = "state",
     prefetch_depth: int | None = None,
+    without_session: str = "baseline",
 ) -> dict:
+    """One configuration: the state of `share` of the groups on the host under a session, or
+    with share None one of WITHOUT_SESSION (`without_session`)."""
     import torch_uvm_saver as tus
 
     spec = child.model_spec(
@@ -454,7 +464,10 @@ def run_one(
     model, _ = child.build_model(spec, seed=0)
     child.enable_checkpointing(model)
     baseline = share is None
-    optimizer, _ = child.make_optimizer(child.LMS_V2_CKPT if not baseline else child.NATIVE, model)
+    plain = baseline and without_session == "baseline"
+    optimizer, _ = child.make_optimizer(child.NATIVE if plain else child.LMS_V2_CKPT, model)
+    if baseline and without_session == "overlap":
+        tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
     shape = (spec["batch"], spec["seq"])
     ids = torch.randint(child.VOCAB, shape, generator=torch.Generator().manual_seed(0)).cuda()
     session = None
@@ -581,7 +594,16 @@ def main() -> None:
         help="the benchmark's regime: GPT-2 XL batch 1 (state) or GPT-2 medium batch 8",
     )
     parser.add_argument("--prefetch-depth", type=int, help="the session's prefetch_depth")
-    parser.add_argument("--one", help='one configuration only: "share,free" or "baseline"')
+    parser.add_argument(
+        "--group-mib",
+        type=int,
+        help="parameter bytes a group of the sessions' AdamW holds (the benchmark's "
+        f"{child.LMS_OPTIMIZER_GROUP_BYTES >> 20} MiB by default)",
+    )
+    parser.add_argument(
+        "--one",
+        help='one configuration only: "share,free", or one of ' + ", ".join(WITHOUT_SESSION),
+    )
     parser.add_argument("--watch", default="operators", help="the session's watch option")
     parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
     parser.add_argument(
@@ -591,10 +613,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     limit = int(args.limit_gib * GiB)
+    if args.group_mib is not None:
+        child.LMS_OPTIMIZER_GROUP_BYTES = args.group_mib << 20  # make_optimizer reads it
     if args.one is not None:
-        if args.one == "baseline":
+        if args.one in WITHOUT_SESSION:
             result = run_one(
-                limit, None, False, args.steps, args.warmup, args.probe, regime=args.regime
+                limit,
+                None,
+                False,
+                args.steps,
+                args.warmup,
+                args.probe,
+                regime=args.regime,
+                without_session=args.one,
             )
         else:
             share, free = args.one.split(",")
@@ -623,6 +654,8 @@ def main() -> None:
         command += ["--regime", args.regime]
         if args.prefetch_depth is not None:
             command += ["--prefetch-depth", str(args.prefetch_depth)]
+        if args.group_mib is not None:
+            command += ["--group-mib", str(args.group_mib)]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
         if not lines:
