@@ -470,14 +470,18 @@ class LmsSession:
         if self._out:  # paged out while moving out of fixed segments: their bytes come back
             with contextlib.suppress(Exception):
                 self.fetch_all()
+        if self._cuda and self._previous_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+        self._let_go_of_everything()
+
+    def _let_go_of_everything(self) -> None:
+        """Hooks removed, storages forgotten, expandable segments as they were: closed."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         for entry in self._entries.values():
             entry.forget()
         self._entries.clear()
-        if self._cuda and self._previous_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
         if self._expandable_turned_on:
             _set_allocator_settings("expandable_segments:False")
         self._closed = True
@@ -606,15 +610,7 @@ class LmsSession:
                 self._set_fraction()
             raise
         self._host_state.synchronize()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for entry in self._entries.values():
-            entry.forget()
-        self._entries.clear()
-        if self._expandable_turned_on:
-            _set_allocator_settings("expandable_segments:False")
-        self._closed = True
+        self._let_go_of_everything()
 
     @property
     def quiet(self) -> bool:
