@@ -463,10 +463,10 @@ def run_one(
     )
     model, _ = child.build_model(spec, seed=0)
     child.enable_checkpointing(model)
-    baseline = share is None
-    plain = baseline and without_session == "baseline"
+    no_session = share is None
+    plain = no_session and without_session == "baseline"
     optimizer, _ = child.make_optimizer(child.NATIVE if plain else child.LMS_V2_CKPT, model)
-    if baseline and without_session == "overlap":
+    if no_session and without_session == "overlap":
         tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
     shape = (spec["batch"], spec["seq"])
     ids = torch.randint(child.VOCAB, shape, generator=torch.Generator().manual_seed(0)).cuda()
@@ -474,7 +474,7 @@ def run_one(
     planner_log: list = []
     if probe == "plans":
         log_planner_calls(planner_log)
-    if not baseline:
+    if not no_session:
         placement = (
             tus.suggest_placement([model], [optimizer], limit, gradients_freed=free)[
                 "optimizer_state"
