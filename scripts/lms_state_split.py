@@ -16,7 +16,8 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         (default plans.json), for scripts/replay_planner.py; --probe pageouts: what the
         session paged out over --steps more steps, by what it was and what became of it;
         --probe host: the host time of the session's, step_in_backward's and the optimizer's
-        functions, each timed inclusively over --steps more steps)
+        functions, each timed inclusively over --steps more steps; --probe threads: each
+        thread's CPU time a step over --steps more steps, scripts/thread_cpu.py)
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
@@ -53,7 +54,7 @@ from profile_lms_session import step
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
 MARK = "SPLIT "
-PROBES = ("trace", "cprofile", "sample", "ops", "plans", "pageouts", "host")
+PROBES = ("trace", "cprofile", "sample", "ops", "plans", "pageouts", "host", "threads")
 # --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
 # parameter groups) stepping after the backward (groups); and stepping in it (overlap:
 # step_in_backward(free_gradients=True, modules=[model]), as the sessions run it). Where a
@@ -561,6 +562,10 @@ def run_one(
         print_operator_times(one, steps, session is not None)
     if probe == "host":
         print_host_times(one, steps)
+    if probe == "threads":
+        from thread_cpu import cpu_per_step, print_cpu_per_step
+
+        print_cpu_per_step(*cpu_per_step(one, steps, torch.cuda.synchronize, time.perf_counter))
     if probe == "pageouts" and session is not None:
         report = track_pageouts(session, model, optimizer)
         for _ in range(steps):
@@ -609,7 +614,8 @@ def main() -> None:
     parser.add_argument(
         "--probe",
         choices=PROBES,
-        help="with --one: then lay out one more step (trace), cProfile one, or sample --steps",
+        help="with --one: then lay out one more step (trace), cProfile one, or sample, time "
+        "(host) or take each thread's CPU time (threads) over --steps more (the docstring)",
     )
     args = parser.parse_args()
     limit = int(args.limit_gib * GiB)

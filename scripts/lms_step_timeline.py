@@ -15,7 +15,8 @@ the dispatch mode). From the launch to the gap's end the stream waited on anothe
 page-in landing, a page-out copy still queued): the work there that ended last, just before the
 gap did, is named. A host that blocks in a synchronizing call
 while the device is busy shows up as "host late" in the gap that follows: the queue it let
-drain. Prints the step time, the busy time of the compute stream and of each copy direction,
+drain. Prints the step time, the busy time of the compute stream and of each copy direction
+(and when each direction's first copy of a MiB or more started and its last ended),
 the gap time by cause, the largest gaps, the operators under which the session queued the most
 copies, the allocations that took over a millisecond, and the CUDA calls that took the most host
 time. Needs a GPU and transformers (not with --from-trace); 4x of native's peak is 6.71 GiB (3x:
@@ -55,6 +56,7 @@ ALLOCATOR_CALLS = (
     "cudaFreeHost",
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+MiB = 1 << 20
 WAIT_SLACK_US = 50.0  # a stream's wait ends this soon after the awaited work at most
 
 
@@ -171,9 +173,19 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
         copies = [e for e in gpu if e["cat"] == "gpu_memcpy" and direction in e["name"]]
         moved = sum(e["args"].get("bytes", 0) for e in copies)
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in copies]
+        # When the link carried the bytes, besides how much: copies that start only in the
+        # backward and end after the compute stream's last work set the step's end. Copies
+        # under a MiB (a loss read back, a flag) would stretch it to the whole step.
+        large = [(e["ts"], e["ts"] + e["dur"]) for e in copies if e["args"].get("bytes", 0) >= MiB]
+        within = (
+            f", those of a MiB or more from {(min(large)[0] - first) / 1e3:.1f} to "
+            f"{(max(end for _, end in large) - first) / 1e3:.1f} ms"
+            if large
+            else ""
+        )
         print(
             f"  {direction} copies (all streams): {len(copies)}, {moved / 1e9:.2f} GB, busy "
-            f"{busy_ms(spans):.1f} ms"
+            f"{busy_ms(spans):.1f} ms{within}"
         )
     causes: dict[str, float] = collections.defaultdict(float)
     gaps = []

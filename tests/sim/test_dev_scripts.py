@@ -1,8 +1,8 @@
 """The parts of the developer scripts under scripts/ that decide what a measurement says: the
 replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
 A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay_planner.py),
-and what a traced step's idle gaps are put down to (lms_step_timeline.py). All run here without
-a GPU."""
+what a traced step's idle gaps are put down to (lms_step_timeline.py), and which thread a step's
+CPU time is charged to (thread_cpu.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import ab_python_change  # noqa: E402
 import lms_allocator_retries  # noqa: E402
 import lms_step_timeline  # noqa: E402
 import replay_planner  # noqa: E402
+import thread_cpu  # noqa: E402
 
 GiB = 1 << 30
 KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
@@ -174,6 +175,25 @@ def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys
     assert "stream 23" in capsys.readouterr().out
 
 
+def test_each_copy_direction_says_when_the_link_was_used(capsys):
+    # A copy in from 0.3 to 0.8 ms and two copies out, 0.2-0.9 and 2.5-3.1 ms, against the
+    # compute stream's first work at 0: both directions are named with their first start and
+    # last end, and the copies out count once for their busy time (1.3 ms). A 4-byte copy out
+    # at 0.05 ms (a loss read back) counts in the busy time, not in when the link was used.
+    events = [
+        *compute_gap(first_ends=2000, second_launched=2010, second_starts=3100),
+        traced("gpu_memcpy", OUT, 50, 10, stream=7, bytes=4),
+        traced("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 300, 500, stream=24, bytes=1 << 20),
+        traced("gpu_memcpy", OUT, 200, 700, stream=23, bytes=1 << 20),
+        traced("gpu_memcpy", OUT, 2500, 600, stream=25, bytes=1 << 20),
+    ]
+    lms_step_timeline.analyse(events, gap_us=50.0, show=4)
+    printed = capsys.readouterr().out
+    span = "those of a MiB or more from"
+    assert f"HtoD copies (all streams): 1, 0.00 GB, busy 0.5 ms, {span} 0.3 to 0.8 ms" in printed
+    assert f"DtoH copies (all streams): 3, 0.00 GB, busy 1.3 ms, {span} 0.2 to 3.1 ms" in printed
+
+
 def test_a_gap_the_host_was_late_for_names_no_stream():
     events = [
         *compute_gap(first_ends=100, second_launched=1090, second_starts=1100),
@@ -181,3 +201,41 @@ def test_a_gap_the_host_was_late_for_names_no_stream():
     ]
     [(_, _, cause, _)] = lms_step_timeline.analyse(events, gap_us=50.0, show=4)
     assert cause == "host late (Python)"
+
+
+@pytest.mark.skipif(not Path(thread_cpu.TASKS).is_dir(), reason="needs Linux's /proc")
+def test_a_thread_that_spins_through_a_step_is_charged_with_it_and_a_sleeping_one_is_not():
+    import threading
+    import time
+
+    go, stop = threading.Event(), threading.Event()
+
+    def spin():
+        go.wait()
+        while not stop.is_set():
+            pass
+
+    def sleep():
+        stop.wait()
+
+    threads = [threading.Thread(target=spin, name="spinner"), threading.Thread(target=sleep)]
+    for t in threads:
+        t.start()
+
+    def step():  # the training thread sleeps while the spinner burns 50 ms of CPU
+        go.set()
+        time.sleep(0.05)
+
+    try:
+        walls, per_thread = thread_cpu.cpu_per_step(step, 2, lambda: None, time.perf_counter)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert len(walls) == 2 and all(wall >= 50 for wall in walls)
+    # Linux names a Python thread after its Python name (at most 15 characters) since 3.14 only:
+    # the spinner is the thread that spent most, whatever its name.
+    spinner = max(per_thread, key=lambda thread: sum(per_thread[thread]))
+    assert all(ms >= 15 for ms in per_thread[spinner])
+    others = [max(spent) for thread, spent in per_thread.items() if thread != spinner]
+    assert others and all(ms < 10 for ms in others)
