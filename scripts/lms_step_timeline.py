@@ -13,14 +13,14 @@ after freeing its cache wait for every stream and every pending event), or in th
 driver calls (cuMemMap, cuMemUnmap, cudaMalloc, ...), or else it was late launching it (Python,
 the dispatch mode). From the launch to the gap's end the stream waited on another stream (a
 page-in landing, a page-out copy still queued): the work there that ended last, just before the
-gap did, is named. A host that blocks in a synchronizing call
-while the device is busy shows up as "host late" in the gap that follows: the queue it let
-drain. Prints the step time, the busy time of the compute stream and of each copy direction
-(and when each direction's first copy of a MiB or more started and its last ended),
-the gap time by cause, the largest gaps, the operators under which the session queued the most
-copies, the allocations that took over a millisecond, and the CUDA calls that took the most host
-time. Needs a GPU and transformers (not with --from-trace); 4x of native's peak is 6.71 GiB (3x:
-8.94).
+gap did, is named. A host that blocks in a synchronizing call while the device is busy shows
+up as "host late" in the gap that follows: the queue it let drain. Prints the step time, the
+busy time of the compute stream and of each copy direction (and when each direction's first
+copy of a MiB or more started and its last ended), the gap time by cause, the largest gaps, the
+operators under which the session queued the most copies, the allocations that took over a
+millisecond, the CUDA calls that took the most host time, and each host thread's time under
+its operators and in CUDA calls. Needs a GPU and transformers (not with --from-trace); 4x of
+native's peak is 6.71 GiB (3x: 8.94).
 """
 
 from __future__ import annotations
@@ -151,6 +151,42 @@ def slow_allocations(events: list[dict], host_calls: list[dict], first: float) -
         )
 
 
+def outermost_ms(operators: list[dict]) -> float:
+    """Host time under the operators that no other one of the list encloses (an operator's own
+    callees nest inside it on its thread)."""
+    total, reach = 0.0, float("-inf")
+    for e in sorted(operators, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= reach:
+            total += e["dur"]
+            reach = e["ts"] + e["dur"]
+    return total / 1e3
+
+
+def host_threads(events: list[dict], host_calls: list[dict], show: int) -> None:
+    """Each host thread's part: the time under its outermost operators and its CUDA calls by
+    host time. Where the host sets the pace, two configurations' traces side by side say on
+    which thread, and in which calls, one spends more: autograd's thread runs the backward and
+    whatever hooks into it (scripts/thread_cpu.py takes the threads' whole CPU time)."""
+    operators: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            operators[e.get("tid", -1)].append(e)
+    calls: dict[int, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0, 0.0])
+    )
+    for c in host_calls:
+        calls[c.get("tid", -1)][c["name"]][0] += 1
+        calls[c.get("tid", -1)][c["name"]][1] += c["dur"] / 1e3
+    under = {tid: outermost_ms(ops) for tid, ops in operators.items()}
+    for tid in sorted(set(under) | set(calls), key=lambda t: -under.get(t, 0.0)):
+        by_time = sorted(calls[tid].items(), key=lambda kv: -kv[1][1])[:show]
+        listed = ", ".join(f"{name} {count} / {ms:.1f} ms" for name, (count, ms) in by_time)
+        print(
+            f"  thread {tid}: {under.get(tid, 0.0):.1f} ms under {len(operators[tid])} operators;"
+            f" CUDA calls: {listed or 'none'}"
+        )
+
+
 def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
     """Prints the step's layout (the module's docstring); returns the gaps (ms, start, cause,
     the work after it)."""
@@ -235,6 +271,7 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
             for name, (count, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
         )
     )
+    host_threads(events, host_calls, show)
     return gaps
 
 

@@ -194,6 +194,28 @@ def test_each_copy_direction_says_when_the_link_was_used(capsys):
     assert f"DtoH copies (all streams): 3, 0.00 GB, busy 1.3 ms, {span} 0.2 to 3.1 ms" in printed
 
 
+def test_each_host_thread_is_charged_with_its_outermost_operators_and_its_cuda_calls(capsys):
+    # Thread 1 (training): an operator 0-1000 us enclosing one at 100-300 and another at
+    # 2000-2500: 1.5 ms under its outermost operators. Thread 2 (autograd): one operator of
+    # 3 ms and three event queries of 0.1 ms. Autograd's thread, which spent more, comes first.
+    op = "cpu_op"
+    events = [
+        *compute_gap(first_ends=2000, second_launched=2010, second_starts=3100),
+        {**traced(op, "aten::linear", 0, 1000), "tid": 1},
+        {**traced(op, "aten::addmm", 100, 200), "tid": 1},
+        {**traced(op, "aten::add_", 2000, 500), "tid": 1},
+        {**traced(op, "autograd::engine::evaluate_function", 500, 3000), "tid": 2},
+        *({**traced("cuda_runtime", "cudaEventQuery", 600 + i, 100), "tid": 2} for i in range(3)),
+    ]
+    for e in events[:4]:
+        e.setdefault("tid", 1)
+    lms_step_timeline.analyse(events, gap_us=50.0, show=4)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  thread ")]
+    calls = "CUDA calls: cudaEventQuery 3 / 0.3 ms"
+    assert lines[0] == f"  thread 2: 3.0 ms under 1 operators; {calls}"
+    assert lines[1].startswith("  thread 1: 1.5 ms under 3 operators; CUDA calls: cudaLaunchKernel")
+
+
 def test_a_gap_the_host_was_late_for_names_no_stream():
     events = [
         *compute_gap(first_ends=100, second_launched=1090, second_starts=1100),
