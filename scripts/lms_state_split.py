@@ -25,10 +25,15 @@ the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a
 
 --watch modules and --no-quiet pass watch="modules" and quiet=False to the session.
 
-Prints one line a configuration (median step, the baseline's step over it, peak reserved, state
-on the host, bytes the session moved a step: page-outs, clean ones that copy nothing included,
-page-ins and prefetches; the state staged from the host, both ways; the largest loss
-difference from the baseline) and a table last.
+    python scripts/lms_state_split.py --limit-gib 16.66 --watch modules --rounds 3 \
+        --configs "baseline overlap helper,1"   (these configurations in turn, three rounds)
+
+Prints each process's result as it ends, then a table, a row a configuration: the median of its
+processes' median steps and their range, the first configuration's step over it, the GPU's lag
+behind the host at the steps' end, peak reserved, state on the host, bytes the session moved a
+step (page-outs, clean ones that copy nothing included, page-ins and prefetches), the state
+staged from the host (both ways), and the largest loss difference from the first
+configuration's first process.
 Needs a GPU and transformers.
 """
 
@@ -590,6 +595,18 @@ def main() -> None:
     parser.add_argument("--limit-gib", type=float, required=True)
     parser.add_argument("--shares", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--free", default="1,0", help="free_gradients values to try")
+    parser.add_argument(
+        "--configs",
+        help='the configurations to run, space-separated ("baseline helper,1 0.4,1"), instead of '
+        "baseline and --shares x --free; the first is the table's reference",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configurations this many times, in turn, a process each (processes of one "
+        "configuration differ by up to a third on the lent machines)",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
@@ -618,6 +635,8 @@ def main() -> None:
         "(host) or take each thread's CPU time (threads) over --steps more (the docstring)",
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     limit = int(args.limit_gib * GiB)
     if args.group_mib is not None:
         child.LMS_OPTIMIZER_GROUP_BYTES = args.group_mib << 20  # make_optimizer reads it
@@ -649,53 +668,96 @@ def main() -> None:
             )
         print(MARK + json.dumps(result), flush=True)
         return
-    configs = ["baseline"] + [
-        f"{share},{free}" for free in args.free.split(",") for share in args.shares.split(",")
-    ]
+    configs = (
+        args.configs.split()
+        if args.configs
+        else ["baseline"]
+        + [f"{share},{free}" for free in args.free.split(",") for share in args.shares.split(",")]
+    )
+    results: dict[str, list[dict | None]] = {config: [] for config in configs}
+    for _ in range(args.rounds):  # round-robin: a slow stretch of the machine hits every config
+        for config in configs:
+            command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib)]
+            command += ["--one", config, "--watch", args.watch]
+            command += ["--no-quiet"] if args.no_quiet else []
+            command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            command += ["--regime", args.regime]
+            if args.prefetch_depth is not None:
+                command += ["--prefetch-depth", str(args.prefetch_depth)]
+            if args.group_mib is not None:
+                command += ["--group-mib", str(args.group_mib)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
+            if not lines:
+                error = done.stderr.strip()[-600:]
+                print(f"{config}: failed (rc {done.returncode}): {error}", flush=True)
+                results[config].append(None)
+                continue
+            result = json.loads(lines[-1][len(MARK) :])
+            print(f"{config}: {json.dumps(result)}", flush=True)
+            results[config].append(result)
+    print(f"\nlimit {args.limit_gib} GiB on {torch.cuda.get_device_name()}; {args.rounds} round(s)")
+    print_table(summarize(configs, results))
+
+
+def summarize(configs: list[str], results: dict[str, list[dict | None]]) -> list[dict]:
+    """One row a configuration from its processes' results (None: the process failed): the
+    median of the processes' median steps and their range, the ratio to the first
+    configuration's, the GPU's lag behind the host at the steps' end (the step minus when the
+    host had queued it: the device's own tail), and the largest loss difference from the first
+    configuration's first process."""
+    reference = next((r for r in results[configs[0]] if r), None)
     rows = []
     for config in configs:
-        command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib), "--one", config]
-        command += ["--watch", args.watch] + (["--no-quiet"] if args.no_quiet else [])
-        command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-        command += ["--regime", args.regime]
-        if args.prefetch_depth is not None:
-            command += ["--prefetch-depth", str(args.prefetch_depth)]
-        if args.group_mib is not None:
-            command += ["--group-mib", str(args.group_mib)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
-        if not lines:
-            print(
-                f"{config}: failed (rc {done.returncode}): {done.stderr.strip()[-600:]}", flush=True
+        done = [r for r in results[config] if r]
+        row = {"config": config, "processes": len(results[config]), "failed": 0}
+        row["failed"] = row["processes"] - len(done)
+        if done:
+            medians = sorted(r["step_s"] for r in done)
+            lags = [
+                step - queued for r in done for step, queued in zip(r["steps_s"], r["queued_s"])
+            ]
+            row.update(
+                step_s=statistics.median(medians),
+                step_range=(medians[0], medians[-1]),
+                lag_ms=statistics.median(lags) * 1e3 if lags else float("nan"),
+                peak_gib=max(r["peak_gib"] for r in done),
+                host_gib=max(r.get("host_gib", 0.0) for r in done),
+                moved_gb=statistics.median(r.get("moved_gb", 0.0) for r in done),
+                staged_gb=statistics.median(r.get("staged_gb", 0.0) for r in done),
+                loss_diff=max(
+                    (
+                        abs(a - b)
+                        for r in done
+                        for a, b in zip(r["losses"], reference["losses"] if reference else [])
+                    ),
+                    default=float("nan"),
+                ),
             )
-            rows.append((config, None))
-            continue
-        result = json.loads(lines[-1][len(MARK) :])
-        print(f"{config}: {json.dumps(result)}", flush=True)
-        rows.append((config, result))
-    base = rows[0][1]["step_s"] if rows[0][1] else float("nan")
-    reference = rows[0][1]["losses"] if rows[0][1] else None
+        rows.append(row)
+    base = rows[0].get("step_s")
+    for row in rows:
+        row["vs_first"] = base / row["step_s"] if base and row.get("step_s") else float("nan")
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    first = rows[0]["config"]
     print(
-        f"\nlimit {args.limit_gib} GiB on {torch.cuda.get_device_name()}; "
-        "baseline: checkpointing with no limit"
+        f"config | step s (processes' range) | {first} over it | GPU lag at the end ms | "
+        "peak GiB | host GiB | moved GB/step | staged GB/step | max loss diff"
     )
-    print(
-        "share,free | step s | vs baseline | peak GiB | host GiB | moved GB/step | staged GB/step"
-        " | max loss diff"
-    )
-    for config, result in rows:
-        if result is None:
-            print(f"{config} | failed")
+    for row in rows:
+        failed = f", {row['failed']} of {row['processes']} failed" if row["failed"] else ""
+        if "step_s" not in row:
+            print(f"{row['config']} | failed ({row['processes']} of {row['processes']})")
             continue
-        diff = (
-            max(abs(a - b) for a, b in zip(result["losses"], reference))
-            if reference
-            else float("nan")
-        )
+        low, high = row["step_range"]
         print(
-            f"{config} | {result['step_s']:.3f} | {base / result['step_s']:.2f}x | "
-            f"{result['peak_gib']:.2f} | {result.get('host_gib', 0):.2f} | "
-            f"{result.get('moved_gb', 0):.2f} | {result.get('staged_gb', 0):.2f} | {diff:.1e}"
+            f"{row['config']} | {row['step_s']:.3f} ({low:.3f}-{high:.3f}{failed}) | "
+            f"{row['vs_first']:.2f}x | {row['lag_ms']:.0f} | {row['peak_gib']:.2f} | "
+            f"{row['host_gib']:.2f} | {row['moved_gb']:.2f} | {row['staged_gb']:.2f} | "
+            f"{row['loss_diff']:.1e}"
         )
 
 

@@ -1,8 +1,9 @@
 """The parts of the developer scripts under scripts/ that decide what a measurement says: the
 replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
 A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay_planner.py),
-what a traced step's idle gaps are put down to (lms_step_timeline.py), and which thread a step's
-CPU time is charged to (thread_cpu.py). All run here without a GPU."""
+what a traced step's idle gaps are put down to (lms_step_timeline.py), which thread a step's
+CPU time is charged to (thread_cpu.py), and how rounds of processes make one row a configuration
+(lms_state_split.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ab_python_change  # noqa: E402
 import lms_allocator_retries  # noqa: E402
+import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
 import replay_planner  # noqa: E402
 import thread_cpu  # noqa: E402
@@ -261,3 +263,48 @@ def test_a_thread_that_spins_through_a_step_is_charged_with_it_and_a_sleeping_on
     assert all(ms >= 15 for ms in per_thread[spinner])
     others = [max(spent) for thread, spent in per_thread.items() if thread != spinner]
     assert others and all(ms < 10 for ms in others)
+
+
+def process(step_s: float, lag_s: float, losses: list[float], **extra) -> dict:
+    """One --one process's result: three steps around `step_s`, each queued `lag_s` before it
+    ended."""
+    steps = [step_s - 0.01, step_s, step_s + 0.02]
+    return {
+        "step_s": step_s,
+        "steps_s": steps,
+        "queued_s": [s - lag_s for s in steps],
+        "peak_gib": extra.pop("peak_gib", 10.0),
+        "losses": losses,
+        **extra,
+    }
+
+
+def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(capsys):
+    results = {
+        "baseline": [process(0.30, 0.017, [11.0, 10.0]), process(0.24, 0.017, [11.0, 10.0])],
+        "helper,1": [
+            process(0.40, 0.030, [11.0, 10.002], peak_gib=16.6, host_gib=9.16, staged_gb=19.7),
+            None,  # a process that failed
+            process(0.36, 0.010, [11.001, 10.0], peak_gib=16.5, host_gib=9.16, staged_gb=19.7),
+        ],
+    }
+    rows = lms_state_split.summarize(["baseline", "helper,1"], results)
+    base, helper = rows
+    assert base["step_s"] == pytest.approx(0.27) and base["step_range"] == (0.24, 0.30)
+    assert helper["step_s"] == pytest.approx(0.38) and helper["step_range"] == (0.36, 0.40)
+    assert (helper["processes"], helper["failed"]) == (3, 1)
+    assert helper["vs_first"] == pytest.approx(0.27 / 0.38)
+    assert helper["lag_ms"] == pytest.approx(20.0)  # the median of 30, 30, 30, 10, 10, 10 ms
+    assert helper["peak_gib"] == 16.6 and helper["staged_gb"] == pytest.approx(19.7)
+    assert helper["loss_diff"] == pytest.approx(0.002)
+    lms_state_split.print_table(rows)
+    printed = capsys.readouterr().out
+    assert "helper,1 | 0.380 (0.360-0.400, 1 of 3 failed) | 0.71x | 20 | 16.60" in printed
+
+
+def test_a_configuration_whose_every_process_failed_is_a_row_that_says_so(capsys):
+    results = {"baseline": [process(0.25, 0.0, [1.0])], "0.25,1": [None, None]}
+    rows = lms_state_split.summarize(["baseline", "0.25,1"], results)
+    assert "step_s" not in rows[1] and rows[1]["failed"] == 2
+    lms_state_split.print_table(rows)
+    assert "0.25,1 | failed (2 of 2)" in capsys.readouterr().out
