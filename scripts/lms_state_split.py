@@ -631,8 +631,9 @@ def main() -> None:
     parser.add_argument(
         "--probe",
         choices=PROBES,
-        help="with --one: then lay out one more step (trace), cProfile one, or sample, time "
-        "(host) or take each thread's CPU time (threads) over --steps more (the docstring)",
+        help="then lay out one more step (trace), cProfile one, or sample, time (host) or take "
+        "each thread's CPU time (threads) over --steps more (the docstring); without --one, "
+        "each process's probe output is printed after its result",
     )
     args = parser.parse_args()
     if args.rounds < 1:
@@ -686,18 +687,29 @@ def main() -> None:
                 command += ["--prefetch-depth", str(args.prefetch_depth)]
             if args.group_mib is not None:
                 command += ["--group-mib", str(args.group_mib)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
-            if not lines:
-                error = done.stderr.strip()[-600:]
-                print(f"{config}: failed (rc {done.returncode}): {error}", flush=True)
-                results[config].append(None)
-                continue
-            result = json.loads(lines[-1][len(MARK) :])
-            print(f"{config}: {json.dumps(result)}", flush=True)
-            results[config].append(result)
+            if args.probe is not None:
+                command += ["--probe", args.probe]
+            results[config].append(run_process(config, command))
     print(f"\nlimit {args.limit_gib} GiB on {torch.cuda.get_device_name()}; {args.rounds} round(s)")
     print_table(summarize(configs, results))
+
+
+def run_process(config: str, command: list[str]) -> dict | None:
+    """Runs one --one process and prints its result and, under it, what its probe printed; None
+    if it failed."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    marked = [x for x in lines if x.startswith(MARK)]
+    if not marked:
+        print(f"{config}: failed (rc {done.returncode}): {done.stderr.strip()[-600:]}", flush=True)
+        return None
+    result = json.loads(marked[-1][len(MARK) :])
+    print(f"{config}: {json.dumps(result)}", flush=True)
+    # What else the process printed is its probe's output (warnings go to stderr).
+    probed = [x for x in lines if not x.startswith(MARK)] if "--probe" in command else []
+    for line in probed:
+        print(f"  {config}| {line}", flush=True)
+    return result
 
 
 def summarize(configs: list[str], results: dict[str, list[dict | None]]) -> list[dict]:

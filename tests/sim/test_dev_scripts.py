@@ -308,3 +308,38 @@ def test_a_configuration_whose_every_process_failed_is_a_row_that_says_so(capsys
     assert "step_s" not in rows[1] and rows[1]["failed"] == 2
     lms_state_split.print_table(rows)
     assert "0.25,1 | failed (2 of 2)" in capsys.readouterr().out
+
+
+def test_rounds_forward_the_probe_and_print_each_process_output_under_its_result(
+    monkeypatch, capsys
+):
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        config = command[command.index("--one") + 1]
+        if config == "0.25,1":
+            return SimpleNamespace(returncode=1, stdout="", stderr="OutOfMemoryError: ...")
+        step = {"baseline": 0.25, "helper,1": 0.35}[config]
+        result = process(step, 0.01, [11.0])
+        stdout = f"step {step * 1e3:.0f} ms; CPU a step by thread:\nSPLIT {json.dumps(result)}\n"
+        return SimpleNamespace(returncode=0, stdout=stdout, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(lms_state_split.torch.cuda, "get_device_name", lambda: "a GPU")
+    argv = ["lms_state_split.py", "--limit-gib", "16.66", "--rounds", "2", "--probe", "threads"]
+    argv += ["--configs", "baseline helper,1 0.25,1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    lms_state_split.main()
+    printed = capsys.readouterr().out
+    order = [c[c.index("--one") + 1] for c in commands]
+    assert order == ["baseline", "helper,1", "0.25,1"] * 2  # in turn, round after round
+    assert all(c[c.index("--probe") + 1] == "threads" for c in commands)
+    assert "  helper,1| step 350 ms; CPU a step by thread:" in printed
+    assert "0.25,1: failed (rc 1): OutOfMemoryError" in printed
+    assert "helper,1 | 0.350 (0.350-0.350) | 0.71x | 10 |" in printed
+    assert "0.25,1 | failed (2 of 2)" in printed
