@@ -633,7 +633,7 @@ def main() -> None:
         choices=PROBES,
         help="then lay out one more step (trace), cProfile one, or sample, time (host) or take "
         "each thread's CPU time (threads) over --steps more (the docstring); without --one, "
-        "each process's probe output is printed after its result",
+        "each process's probe output is printed under its result",
     )
     args = parser.parse_args()
     if args.rounds < 1:
@@ -722,7 +722,7 @@ def summarize(configs: list[str], results: dict[str, list[dict | None]]) -> list
     rows = []
     for config in configs:
         done = [r for r in results[config] if r]
-        row = {"config": config, "processes": len(results[config]), "failed": 0}
+        row = {"config": config, "processes": len(results[config])}
         row["failed"] = row["processes"] - len(done)
         if done:
             medians = sorted(r["step_s"] for r in done)

@@ -112,20 +112,16 @@ def copying_operators(events: list[dict], host_calls: list[dict], first: float, 
         (e for e in events if e.get("cat") == "cpu_op" and e["name"] == "PythonDispatchMode"),
         key=lambda e: e["ts"],
     )
-    outermost, reach = [], float("-inf")
-    for mode in modes:  # a mode's own operators nest inside it
-        if mode["ts"] >= reach:
-            outermost.append(mode)
-            reach = mode["ts"] + mode["dur"]
     copies = sorted(c["ts"] for c in host_calls if c["name"] == "cudaMemcpyAsync")
     rows = []
-    for mode in outermost:
+    modes = outermost(modes)  # a mode's own operators nest inside it
+    for mode in modes:
         count = bisect.bisect(copies, mode["ts"] + mode["dur"]) - bisect.bisect(copies, mode["ts"])
         if count:
             rows.append((mode["dur"] / 1e3, count, (mode["ts"] - first) / 1e3))
     total = sum(row[0] for row in rows)
     print(
-        f"  operators that queued copies: {len(rows)} of {len(outermost)}, {total:.1f} ms of host "
+        f"  operators that queued copies: {len(rows)} of {len(modes)}, {total:.1f} ms of host "
         f"time, {sum(row[1] for row in rows)} copies; the longest (host ms, copies, at ms):"
     )
     for ms, count, at in sorted(rows, reverse=True)[:show]:
@@ -151,15 +147,25 @@ def slow_allocations(events: list[dict], host_calls: list[dict], first: float) -
         )
 
 
-def outermost_ms(operators: list[dict]) -> float:
-    """Host time under the operators that no other one of the list encloses (an operator's own
-    callees nest inside it on its thread)."""
-    total, reach = 0.0, float("-inf")
+def outermost(operators: list[dict]) -> list[dict]:
+    """The operators that no other one of the list encloses (an operator's own callees nest
+    inside it on its thread), in time order."""
+    found, reach = [], float("-inf")
     for e in sorted(operators, key=lambda e: (e["ts"], -e["dur"])):
         if e["ts"] >= reach:
-            total += e["dur"]
+            found.append(e)
             reach = e["ts"] + e["dur"]
-    return total / 1e3
+    return found
+
+
+def by_host_time(calls: list[dict], most: int) -> str:
+    """The `most` CUDA calls that took the host longest, by name: "name count / ms"."""
+    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for c in calls:
+        spent[c["name"]][0] += 1
+        spent[c["name"]][1] += c["dur"] / 1e3
+    ranked = sorted(spent.items(), key=lambda kv: -kv[1][1])[:most]
+    return ", ".join(f"{name} {count} / {ms:.1f} ms" for name, (count, ms) in ranked)
 
 
 def host_threads(events: list[dict], host_calls: list[dict], show: int) -> None:
@@ -171,19 +177,14 @@ def host_threads(events: list[dict], host_calls: list[dict], show: int) -> None:
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cpu_op":
             operators[e.get("tid", -1)].append(e)
-    calls: dict[int, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(lambda: [0, 0.0])
-    )
+    calls: dict[int, list[dict]] = collections.defaultdict(list)
     for c in host_calls:
-        calls[c.get("tid", -1)][c["name"]][0] += 1
-        calls[c.get("tid", -1)][c["name"]][1] += c["dur"] / 1e3
-    under = {tid: outermost_ms(ops) for tid, ops in operators.items()}
+        calls[c.get("tid", -1)].append(c)
+    under = {tid: sum(e["dur"] for e in outermost(ops)) / 1e3 for tid, ops in operators.items()}
     for tid in sorted(set(under) | set(calls), key=lambda t: -under.get(t, 0.0)):
-        by_time = sorted(calls[tid].items(), key=lambda kv: -kv[1][1])[:show]
-        listed = ", ".join(f"{name} {count} / {ms:.1f} ms" for name, (count, ms) in by_time)
         print(
             f"  thread {tid}: {under.get(tid, 0.0):.1f} ms under {len(operators[tid])} operators;"
-            f" CUDA calls: {listed or 'none'}"
+            f" CUDA calls: {by_host_time(calls[tid], show) or 'none'}"
         )
 
 
@@ -260,17 +261,7 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
         print(f"    {ms:6.2f} at {(start - first) / 1e3:7.1f}  {cause:<32} {name}")
     copying_operators(events, host_calls, first, show)
     slow_allocations(events, host_calls, first)
-    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for c in host_calls:
-        calls[c["name"]][0] += 1
-        calls[c["name"]][1] += c["dur"] / 1e3
-    print(
-        "  CUDA calls by host time: "
-        + ", ".join(
-            f"{name} {count} / {ms:.1f} ms"
-            for name, (count, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
-        )
-    )
+    print(f"  CUDA calls by host time: {by_host_time(host_calls, 8)}")
     host_threads(events, host_calls, show)
     return gaps
 
