@@ -32,7 +32,8 @@ Prints each process's result as it ends, then a table, a row a configuration: th
 processes' median steps and their range, the first configuration's step over it, the GPU's lag
 behind the host at the steps' end, peak reserved, state on the host, bytes the session moved a
 step (page-outs, clean ones that copy nothing included, page-ins and prefetches), the state
-staged from the host (both ways), and the largest loss difference from the first
+staged from the host (both ways), PyTorch's allocator retries a step, and the largest loss
+difference from the first
 configuration's first process.
 Needs a GPU and transformers.
 """
@@ -510,10 +511,18 @@ def run_one(
     def retries() -> int:
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
+    def device_calls() -> tuple[int, int]:
+        """PyTorch's allocator's segment allocations and frees so far (with expandable segments,
+        each maps or unmaps memory; an unmap first synchronizes the stream)."""
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
     losses, times, queue_times, step_retries = [], [], [], []
     for i in range(warmup + steps):
-        if i == warmup and session is not None:
-            before = session.stats()
+        if i == warmup:
+            calls_before = device_calls()
+            if session is not None:
+                before = session.stats()
         retries_at_start = retries()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -533,6 +542,8 @@ def run_one(
         # PyTorch's allocator giving its cache back and trying again: each waits for pending
         # copies and, with expandable segments, synchronizes the stream before it unmaps
         "alloc_retries": sum(step_retries[warmup:]) / steps,
+        "device_allocs": (device_calls()[0] - calls_before[0]) / steps,
+        "device_frees": (device_calls()[1] - calls_before[1]) / steps,
     }
     if session is not None:
         after = session.stats()
@@ -737,6 +748,7 @@ def summarize(configs: list[str], results: dict[str, list[dict | None]]) -> list
                 host_gib=max(r.get("host_gib", 0.0) for r in done),
                 moved_gb=statistics.median(r.get("moved_gb", 0.0) for r in done),
                 staged_gb=statistics.median(r.get("staged_gb", 0.0) for r in done),
+                retries=statistics.median(r.get("alloc_retries", 0.0) for r in done),
                 loss_diff=max(
                     (
                         abs(a - b)
@@ -757,7 +769,8 @@ def print_table(rows: list[dict]) -> None:
     first = rows[0]["config"]
     print(
         f"config | step s (processes' range) | {first} over it | GPU lag at the end ms | "
-        "peak GiB | host GiB | moved GB/step | staged GB/step | max loss diff"
+        "peak GiB | host GiB | moved GB/step | staged GB/step | allocator retries/step | "
+        "max loss diff"
     )
     for row in rows:
         failed = f", {row['failed']} of {row['processes']} failed" if row["failed"] else ""
@@ -769,7 +782,7 @@ def print_table(rows: list[dict]) -> None:
             f"{row['config']} | {row['step_s']:.3f} ({low:.3f}-{high:.3f}{failed}) | "
             f"{row['vs_first']:.2f}x | {row['lag_ms']:.0f} | {row['peak_gib']:.2f} | "
             f"{row['host_gib']:.2f} | {row['moved_gb']:.2f} | {row['staged_gb']:.2f} | "
-            f"{row['loss_diff']:.1e}"
+            f"{row['retries']:.2f} | {row['loss_diff']:.1e}"
         )
 
 

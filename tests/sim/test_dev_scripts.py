@@ -2,8 +2,9 @@
 replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
 A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay_planner.py),
 what a traced step's idle gaps are put down to (lms_step_timeline.py), which thread a step's
-CPU time is charged to (thread_cpu.py), and how rounds of processes make one row a configuration
-(lms_state_split.py). All run here without a GPU."""
+CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration
+(lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
+(host_speed_under_copies.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import ab_python_change  # noqa: E402
+import host_speed_under_copies  # noqa: E402
 import lms_allocator_retries  # noqa: E402
 import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
@@ -283,9 +285,25 @@ def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(caps
     results = {
         "baseline": [process(0.30, 0.017, [11.0, 10.0]), process(0.24, 0.017, [11.0, 10.0])],
         "helper,1": [
-            process(0.40, 0.030, [11.0, 10.002], peak_gib=16.6, host_gib=9.16, staged_gb=19.7),
+            process(
+                0.40,
+                0.030,
+                [11.0, 10.002],
+                peak_gib=16.6,
+                host_gib=9.16,
+                staged_gb=19.7,
+                alloc_retries=2.0,
+            ),
             None,  # a process that failed
-            process(0.36, 0.010, [11.001, 10.0], peak_gib=16.5, host_gib=9.16, staged_gb=19.7),
+            process(
+                0.36,
+                0.010,
+                [11.001, 10.0],
+                peak_gib=16.5,
+                host_gib=9.16,
+                staged_gb=19.7,
+                alloc_retries=1.0,
+            ),
         ],
     }
     rows = lms_state_split.summarize(["baseline", "helper,1"], results)
@@ -297,9 +315,11 @@ def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(caps
     assert helper["lag_ms"] == pytest.approx(20.0)  # the median of 30, 30, 30, 10, 10, 10 ms
     assert helper["peak_gib"] == 16.6 and helper["staged_gb"] == pytest.approx(19.7)
     assert helper["loss_diff"] == pytest.approx(0.002)
+    assert helper["retries"] == pytest.approx(1.5) and base["retries"] == 0
     lms_state_split.print_table(rows)
     printed = capsys.readouterr().out
     assert "helper,1 | 0.380 (0.360-0.400, 1 of 3 failed) | 0.71x | 20 | 16.60" in printed
+    assert "| 9.16 | 0.00 | 19.70 | 1.50 | 2.0e-03" in printed
 
 
 def test_a_configuration_whose_every_process_failed_is_a_row_that_says_so(capsys):
@@ -343,3 +363,17 @@ def test_rounds_forward_the_probe_and_print_each_process_output_under_its_result
     assert "0.25,1: failed (rc 1): OutOfMemoryError" in printed
     assert "helper,1 | 0.350 (0.350-0.350) | 0.71x | 10 |" in printed
     assert "0.25,1 | failed (2 of 2)" in printed
+
+
+def test_host_speed_table_puts_each_condition_against_the_idle_gpu():
+    results = {
+        "idle": {"python": [0.040, 0.042, 0.060], "launches": [0.030] * 3, "memory": [0.008] * 3},
+        "both": {"python": [0.048, 0.050, 0.047], "launches": [0.033] * 3, "memory": [0.016] * 3},
+    }
+    lines = host_speed_under_copies.report(results, {"idle": 0, "both": 3}, rounds=3)
+    assert lines[0] == (
+        "condition | Python loop ms (x idle) | 3,000 launches ms (x idle) | "
+        "host memcpy 256 MiB ms (x idle) | copying at the end"
+    )
+    assert lines[1] == "idle | 42.0 (1.00x) | 30.0 (1.00x) | 8.0 (1.00x) | 0 of 3"
+    assert lines[2] == "both | 48.0 (1.14x) | 33.0 (1.10x) | 16.0 (2.00x) | 3 of 3"
