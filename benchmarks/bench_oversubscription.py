@@ -102,7 +102,7 @@ the "no limit" overhead where such a run exists.
         save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain,lms-managed,managed-budget]
         [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--seq 1024]
         [--activation-batch 8] [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1]
-        [--overlap-state auto|host]
+        [--overlap-state auto|host] [--placement-share F]
         [--bandwidth-gib 2] [--child-timeout 600] [--child-target-s 240] [--time-budget 1500]
         [--out FILE] [--merge] [--skip-bandwidth] [--plot FILE] [--report-only] [--strict]
 
@@ -341,6 +341,7 @@ class Runner:
                 "pin_parameters",
                 "size_lms_mib",
                 "overlap_state",
+                "placement_share",
                 "no_limit_columns",
                 "bandwidth_gib",
                 "child_timeout",
@@ -408,6 +409,8 @@ class Runner:
             command.append("--no-pin-parameters")
         command += ["--size-lms-mib", f"{self.args.size_lms_mib:g}"]
         command += ["--overlap-state", self.args.overlap_state]
+        if self.args.placement_share is not None:
+            command += ["--placement-share", f"{self.args.placement_share:g}"]
         self.children += 1
         extra = f", limit {gib(limit)} GiB" if limit else ""
         log(f"[{self.elapsed()}] {key}: child {self.children}, timeout {timeout:.0f} s{extra}")
@@ -662,6 +665,13 @@ def main() -> int:
         choices=("auto", "host"),
         default="auto",
         help="lms-v2-overlap's optimizer_state: the helper's choice, or all of it on the host",
+    )
+    parser.add_argument(
+        "--placement-share",
+        type=float,
+        help="lms-v2-overlap with --overlap-state auto: suggest_placement(persistent_share=F), "
+        "the share of the limit the parameters and the state left on the device may take, "
+        "instead of the helper's own rule",
     )
     parser.add_argument(
         "--size-lms-mib",

@@ -726,7 +726,12 @@ def train(column: str, args, result: dict) -> None:
         placement = {"optimizer_state": "host"} if column == LMS_V2_HOST else {}
         if column == LMS_V2_OVERLAP:
             # The documented helper's choice for gradients freed as the backward steps.
-            placement = lms.suggest_placement([model], [optimizer], limit, gradients_freed=True)
+            share = {}
+            if args.placement_share is not None:  # --placement-share: the helper's rule replaced
+                share["persistent_share"] = args.placement_share
+            placement = lms.suggest_placement(
+                [model], [optimizer], limit, gradients_freed=True, **share
+            )
             if args.overlap_state == "host":  # --overlap-state host: the helper overridden
                 placement = {"optimizer_state": "host"}
             result["placement"] = describe_placement(placement, optimizer)

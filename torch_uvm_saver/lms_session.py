@@ -1293,6 +1293,7 @@ def suggest_placement(
     limit: int,
     *,
     gradients_freed: bool = False,
+    persistent_share: float | None = None,
 ) -> dict[str, Any]:
     """Where an LMS session should keep the optimizers' state: {"optimizer_state": "device",
     "host" or a list of parameter groups whose state goes to the host}. The parameters, their
@@ -1301,8 +1302,13 @@ def suggest_placement(
     the device should take at most half the limit, or 3/4 of it with a quarter of the state left
     on the device; the state of the last parameter groups (those a backward through a model in
     order completes first, whose steps overlap the most of it) goes to the host until they do.
+    ``persistent_share`` (0 < share <= 1) replaces that rule: the share of the limit they may
+    take, the rest left to activations and paging (a model whose activations are small next to
+    its state can keep more of the state on the device, which moves fewer bytes a step).
     The state is counted from what the optimizers hold, or estimated from their parameters (two
     tensors a parameter for the Adam family, one for Adagrad and SGD with momentum)."""
+    if persistent_share is not None:
+        _check_share("suggest_placement", "persistent_share", persistent_share)
     optimizers = list(optimizers)
     del modules  # the parameters are counted through the optimizers
     groups: list[tuple[dict[str, Any], int]] = []  # (group, its state's bytes)
@@ -1321,10 +1327,13 @@ def suggest_placement(
             groups.append((group, held))
     state_bytes = sum(held for _, held in groups)
     fixed = parameter_bytes * (1 if gradients_freed else 2)
-    room = int(limit * PERSISTENT_SHARE) - fixed  # for the state left on the device
-    # ... but a quarter of the state stays, where it fits under MOST_PERSISTENT_SHARE: staged
-    # all on the host, it outlasts the backward on the link.
-    room = max(room, min(int(limit * MOST_PERSISTENT_SHARE) - fixed, state_bytes // 4))
+    if persistent_share is not None:
+        room = int(limit * persistent_share) - fixed
+    else:
+        room = int(limit * PERSISTENT_SHARE) - fixed  # for the state left on the device
+        # ... but a quarter of the state stays, where it fits under MOST_PERSISTENT_SHARE:
+        # staged all on the host, it outlasts the backward on the link.
+        room = max(room, min(int(limit * MOST_PERSISTENT_SHARE) - fixed, state_bytes // 4))
     if state_bytes <= max(room, 0):  # no state at all stays "device" too
         return {"optimizer_state": "device"}
     on_host: list[dict[str, Any]] = []
@@ -1336,6 +1345,18 @@ def suggest_placement(
     if len(on_host) == len(groups):
         return {"optimizer_state": "host"}
     return {"optimizer_state": on_host[::-1]}
+
+
+def _check_share(call: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{call}({name}): expected a share of the limit (a number), got {value!r:.80} "
+            f"({type(value).__name__})"
+        )
+    if not 0 < value <= 1:  # NaN fails this too
+        raise InvalidArgumentError(
+            f"{call}({name}): expected a share of the limit, 0 < share <= 1, got {value!r}"
+        )
 
 
 def _describe_group(group: object) -> str:

@@ -95,6 +95,9 @@ ROWS: list[Row] = [
     Row("a flag", "tus.region('r', mode='managed', read_mostly='yes')", TypeError, "region(read_mostly): expected True or False"),
     Row("a flag", "tus.lms_session(2**30, quiet='no')", TypeError, "lms_session(quiet): expected True or False"),
     Row("a way of watching", "tus.lms_session(2**30, watch='layers')", InvalidArgumentError, "lms_session: watch must be one of operators, modules, got 'layers'"),
+    Row("a share of the limit", "tus.suggest_placement([], [], 2**30, persistent_share=1.5)", InvalidArgumentError, "suggest_placement(persistent_share): expected a share of the limit, 0 < share <= 1, got 1.5"),
+    Row("a share of the limit", "tus.suggest_placement([], [], 2**30, persistent_share=float('nan'))", InvalidArgumentError, "suggest_placement(persistent_share): expected a share of the limit, 0 < share <= 1, got nan"),
+    Row("a share of the limit", "tus.suggest_placement([], [], 2**30, persistent_share='half')", TypeError, "suggest_placement(persistent_share): expected a share of the limit (a number), got 'half' (str)"),
     Row("an optimizer", "tus.step_in_backward(None)", TypeError, "step_in_backward(optimizer): expected a torch.optim.Optimizer, got None (NoneType)"),
     # Devices: Python reads PyTorch's spellings, the native registry checks the index.
     Row("a device", "tus.memory_stats(device='bogus')", InvalidArgumentError, "device: 'bogus' is not a device; expected an index, 'cuda', 'cuda:<index>' or a torch.device"),

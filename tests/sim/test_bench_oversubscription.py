@@ -86,3 +86,27 @@ def test_bytes_moved_count_the_state_staged_from_the_host_both_ways():
     result = session_result(before, after, steps=2)
     assert result["staged_bytes_per_step"] == 20e9  # 10 GB in and 10 GB out a step
     assert result["moved_bytes_per_step"] == 24e9
+
+
+def test_placement_share_reaches_the_overlap_child(monkeypatch):
+    """--placement-share is handed to each child (lms-v2-overlap's suggest_placement takes it)."""
+    from types import SimpleNamespace
+
+    commands = []
+
+    def fake_child(command, mark, timeout, env=None):
+        commands.append(command)
+        return {"result": {"error": "not run"}, "timed_out": False, "returncode": 1,
+                "wall_s": 0.0, "stderr_tail": ""}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_marked_child", fake_child)
+    monkeypatch.setattr(bench, "child_env", dict)
+    options = dict(steps=2, warmup=1, seed=0, seq=8, activation_batch=1, state_batch=1,
+                   bandwidth_gib=1.0, pin_parameters=True, size_lms_mib=1.0,
+                   overlap_state="auto", time_budget=600, child_timeout=60,
+                   child_target_s=30, out=None)  # fmt: skip
+    for share, expected in ((0.75, ["--placement-share", "0.75"]), (None, [])):
+        runner = bench.Runner(SimpleNamespace(placement_share=share, **options), [], [], [], [])
+        runner.launch("lms-v2-overlap", "state", 2.0, limit=GiB, native_peak=2 * GiB)
+        tail = commands[-1][commands[-1].index("--overlap-state") + 2 :]
+        assert tail == expected

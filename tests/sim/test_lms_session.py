@@ -351,6 +351,10 @@ def test_suggest_placement_sends_the_last_groups_state_to_the_host_until_the_res
     # With gradients freed in the backward they take nothing at the end.
     assert placement(6 * parameters, gradients_freed=True) == "device"  # 1 + 2 of 3
     assert placement(4 * parameters, gradients_freed=True) == [3, 4, 5]  # 2 - 1
+    # A share given replaces the rule: 3/4 of 4 x leaves 3 - 2 for 1 of 2; all of it, 2 of 2.
+    assert placement(4 * parameters, persistent_share=0.75) == [3, 4, 5]
+    assert placement(4 * parameters, persistent_share=1) == "device"
+    assert placement(4 * parameters, persistent_share=0.5) == "host"  # 2 - 2: no room at all
     # Once the state exists, it is counted as held.
     train(model, optimizer, steps=1)
     assert placement(6 * parameters) == [3, 4, 5]
