@@ -33,8 +33,7 @@ processes' median steps and their range, the first configuration's step over it,
 behind the host at the steps' end, peak reserved, state on the host, bytes the session moved a
 step (page-outs, clean ones that copy nothing included, page-ins and prefetches), the state
 staged from the host (both ways), PyTorch's allocator retries a step, and the largest loss
-difference from the first
-configuration's first process.
+difference from the first configuration's first process.
 Needs a GPU and transformers.
 """
 

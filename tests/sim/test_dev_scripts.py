@@ -282,28 +282,13 @@ def process(step_s: float, lag_s: float, losses: list[float], **extra) -> dict:
 
 
 def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(capsys):
+    staged = {"host_gib": 9.16, "staged_gb": 19.7}
     results = {
         "baseline": [process(0.30, 0.017, [11.0, 10.0]), process(0.24, 0.017, [11.0, 10.0])],
         "helper,1": [
-            process(
-                0.40,
-                0.030,
-                [11.0, 10.002],
-                peak_gib=16.6,
-                host_gib=9.16,
-                staged_gb=19.7,
-                alloc_retries=2.0,
-            ),
+            process(0.40, 0.030, [11.0, 10.002], peak_gib=16.6, alloc_retries=2.0, **staged),
             None,  # a process that failed
-            process(
-                0.36,
-                0.010,
-                [11.001, 10.0],
-                peak_gib=16.5,
-                host_gib=9.16,
-                staged_gb=19.7,
-                alloc_retries=1.0,
-            ),
+            process(0.36, 0.010, [11.001, 10.0], peak_gib=16.5, alloc_retries=1.0, **staged),
         ],
     }
     rows = lms_state_split.summarize(["baseline", "helper,1"], results)
