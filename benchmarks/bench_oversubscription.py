@@ -95,7 +95,9 @@ fits (the faster that ran when neither fits), named in the report:
   and in each:       peak <= limit, and losses within bf16 noise of native's: max |loss - native
                      loss| over the step indices both ran <= 0.02
 state 4x is reported, not judged. The report also lists each column's max |loss - native|, and
-the "no limit" overhead where such a run exists.
+the "no limit" overhead where such a run exists. A session column whose timed steps were partly
+watched and partly quiet (it went quiet while timed: not yet its steady state) gets a warning
+that says so; raise --warmup.
 
     python benchmarks/bench_oversubscription.py [--regimes activation,state] [--ratios 2,3,4]
         [--columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu,lms-vmm,

@@ -242,9 +242,23 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
         warnings.append(f"{run.get('steps_timed')} timed steps")
     if run.get("session_keys_missing"):
         warnings.append("stats() lacks " + ",".join(run["session_keys_missing"]))
+    warnings += unsettled(run)
     if warnings:
         row["warning"] = "; ".join(warnings)
     return row
+
+
+def unsettled(run: dict) -> list[str]:
+    """A session that went quiet during the timed steps (some watched, some quiet: Note [Quiet
+    iterations]) was timed before its steady state; its first quiet steps run slower still."""
+    counters = run.get("session_counters_delta") or {}
+    watched, quiet = counters.get("iterations", 0), counters.get("quiet_iterations", 0)
+    if watched and quiet:
+        return [
+            f"{watched:.0f} of {watched + quiet:.0f} timed steps ran watched: not the steady "
+            "state (raise --warmup)"
+        ]
+    return []
 
 
 def pick_target(rows: dict) -> str | None:
@@ -636,13 +650,17 @@ def row_line(column: str, row: dict, group: dict) -> str:
     steps = row.get("process_step_medians") or []
     if len(steps) > 1:  # the step shown is the median process's (--processes)
         note.append(f"{len(steps)} processes {min(steps):.3f}-{max(steps):.3f} s")
-    if row.get("warning"):
-        note.append(row["warning"])
-    return cut(
+    line = (
         f"{name:<19}{row['step_median_s']:>7.3f}{row['tokens_per_s']:>10.0f}{vs_ideal:>9}"
         f"{row['peak_bytes'] / GiB:>10.2f}{fits:>6}{format_moved(row):>9}{diff_text:>9}"
-        f"  {'; '.join(note)}".rstrip()
     )
+    warning = row.get("warning")
+    whole = f"{line}  {'; '.join([*note, warning] if warning else note)}".rstrip()
+    if len(whole) <= WIDTH or not warning:
+        return cut(whole)
+    # A warning that does not fit goes whole on the lines under the row, not cut.
+    under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
+    return cut(f"{line}  {'; '.join(note)}".rstrip()) + "\n" + under
 
 
 def print_bandwidth(bandwidth: dict) -> None:

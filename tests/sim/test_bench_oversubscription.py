@@ -110,3 +110,19 @@ def test_placement_share_reaches_the_overlap_child(monkeypatch):
         runner.launch("lms-v2-overlap", "state", 2.0, limit=GiB, native_peak=2 * GiB)
         tail = commands[-1][commands[-1].index("--overlap-state") + 2 :]
         assert tail == expected
+
+
+def test_a_session_that_went_quiet_while_timed_is_flagged_as_not_settled():
+    native = {**child_result(0.10, 30.0, "native"), "model": {"n_layer": 2}}
+    run = {**child_result(0.40, 16.0, "overlap"), "model": {"n_layer": 2}}
+    run["session_counters_delta"] = {"iterations": 1, "quiet_iterations": 3}
+    row = make_row(run, "lms-v2-overlap", 20 * GiB, None, native)
+    assert "1 of 4 timed steps ran watched: not the steady state" in row["warning"]
+    # Printed whole under the row when the row's line has no room left for it.
+    row["process_step_medians"] = [0.40, 0.432]
+    printed = row_line("lms-v2-overlap", row, {"winner": "lms-v2-overlap", "judged": "x"})
+    assert printed.splitlines()[1].strip() == row["warning"]
+    run["session_counters_delta"] = {"iterations": 4, "quiet_iterations": 0}  # never quiet
+    assert "warning" not in make_row(run, "lms-v2-overlap", 20 * GiB, None, native)
+    run["session_counters_delta"] = {"iterations": 0, "quiet_iterations": 4}  # quiet all along
+    assert "warning" not in make_row(run, "lms-v2-overlap", 20 * GiB, None, native)
