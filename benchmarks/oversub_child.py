@@ -726,11 +726,13 @@ def train(column: str, args, result: dict) -> None:
         placement = {"optimizer_state": "host"} if column == LMS_V2_HOST else {}
         if column == LMS_V2_OVERLAP:
             # The documented helper's choice for gradients freed as the backward steps.
-            share = {}
-            if args.placement_share is not None:  # --placement-share: the helper's rule replaced
-                share["persistent_share"] = args.placement_share
+            # --placement-share (None: the helper's own rule) replaces the helper's share.
             placement = lms.suggest_placement(
-                [model], [optimizer], limit, gradients_freed=True, **share
+                [model],
+                [optimizer],
+                limit,
+                gradients_freed=True,
+                persistent_share=args.placement_share,
             )
             if args.overlap_state == "host":  # --overlap-state host: the helper overridden
                 placement = {"optimizer_state": "host"}

@@ -654,13 +654,15 @@ def row_line(column: str, row: dict, group: dict) -> str:
         f"{name:<19}{row['step_median_s']:>7.3f}{row['tokens_per_s']:>10.0f}{vs_ideal:>9}"
         f"{row['peak_bytes'] / GiB:>10.2f}{fits:>6}{format_moved(row):>9}{diff_text:>9}"
     )
+    text = f"{line}  {'; '.join(note)}".rstrip()
     warning = row.get("warning")
-    whole = f"{line}  {'; '.join([*note, warning] if warning else note)}".rstrip()
-    if len(whole) <= WIDTH or not warning:
-        return cut(whole)
-    # A warning that does not fit goes whole on the lines under the row, not cut.
+    if not warning:
+        return cut(text)
+    if len(text) + len(warning) + 2 <= WIDTH:
+        return f"{text}{'; ' if note else '  '}{warning}"
+    # A warning with no room left on the row's line goes whole on the lines under it, not cut.
     under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
-    return cut(f"{line}  {'; '.join(note)}".rstrip()) + "\n" + under
+    return cut(text) + "\n" + under
 
 
 def print_bandwidth(bandwidth: dict) -> None:
