@@ -95,14 +95,17 @@ fits (the faster that ran when neither fits), named in the report:
   and in each:       peak <= limit, and losses within bf16 noise of native's: max |loss - native
                      loss| over the step indices both ran <= 0.02
 state 4x is reported, not judged. The report also lists each column's max |loss - native|, and
-the "no limit" overhead where such a run exists. A session column whose timed steps were partly
-watched and partly quiet (it went quiet while timed: not yet its steady state) gets a warning
-that says so; raise --warmup.
+the "no limit" overhead where such a run exists. A session column warms up past --warmup, by
+up to --settle-steps more steps, until it has run two quiet steps in a row (one that pages every
+step never goes quiet and runs them all; the JSON says which: settled, settle_steps_run). One
+whose timed steps were still partly watched and partly quiet (it went quiet while timed: not yet
+its steady state) gets a warning that says so; raise --settle-steps or --warmup.
 
     python benchmarks/bench_oversubscription.py [--regimes activation,state] [--ratios 2,3,4]
         [--columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu,lms-vmm,
         save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain,lms-managed,managed-budget]
-        [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--seq 1024]
+        [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--settle-steps 8]
+        [--seq 1024]
         [--activation-batch 8] [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1]
         [--overlap-state auto|host] [--placement-share F]
         [--bandwidth-gib 2] [--child-timeout 600] [--child-target-s 240] [--time-budget 1500]
@@ -203,6 +206,8 @@ from oversub_report import (
 PRIORITY = tuple(column for column in COLUMNS if column != NATIVE)
 MIN_CHILD_S = 90.0  # no child starts with less of the time budget left
 CHILD_RESERVE_S = 20.0  # a child's deadline leaves this much of its timeout for reporting
+# The options each child is handed as they are (its --flag for each).
+CHILD_FLAGS = ("steps", "warmup", "settle_steps", "seed", "seq", "activation_batch", "state_batch")
 
 
 # ----------------------------------------------------------------------------- parent process
@@ -335,6 +340,7 @@ class Runner:
             for key in (
                 "steps",
                 "warmup",
+                "settle_steps",
                 "processes",
                 "seed",
                 "seq",
@@ -399,7 +405,7 @@ class Runner:
         soft_deadline = now + min(self.args.child_target_s, timeout - CHILD_RESERVE_S)
         command = [sys.executable, str(Path(__file__).resolve()), "--child", column]
         command += ["--deadline", f"{deadline:.1f}", "--soft-deadline", f"{soft_deadline:.1f}"]
-        for flag in ("steps", "warmup", "seed", "seq", "activation_batch", "state_batch"):
+        for flag in CHILD_FLAGS:
             command += ["--" + flag.replace("_", "-"), str(getattr(self.args, flag))]
         command += ["--bandwidth-gib", f"{self.args.bandwidth_gib:g}"]
         if regime is not None:
@@ -643,6 +649,14 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per child")
     parser.add_argument("--warmup", type=int, default=2, help="training steps before timing")
+    parser.add_argument(
+        "--settle-steps",
+        type=int,
+        default=8,
+        help="lms-v2 columns: up to this many warm-up steps more, until the session has run "
+        "two quiet steps in a row (a session that pages every step never does: it runs them "
+        "all); 0: --warmup only",
+    )
     parser.add_argument(
         "--processes",
         type=int,

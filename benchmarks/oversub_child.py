@@ -159,6 +159,10 @@ DESCRIPTIONS = {
 MANAGED_MARGIN = 1.1  # managed columns expect up to 1.1 x the unconstrained peak
 LMS_OPTIMIZER_GROUP_BYTES = 256 * MiB  # parameters per fused AdamW group under LMS
 MIN_TIMED_STEPS = 2  # --child-target-s never cuts the timed steps below this
+# A session column warms up past --warmup, by up to --settle-steps more, until this many steps
+# in a row ran quiet (Note [Quiet iterations]): GPT-2 XL 2x went quiet at about its sixth step
+# and ran slower for two steps more, so four warm-up steps timed the settling (H200).
+SETTLED_QUIET_STEPS = 2
 BANDWIDTH_REPS = 5
 COUNTER_FAMILIES = (
     "num_pageouts",
@@ -657,6 +661,29 @@ def read_peaks(tus) -> dict:
     }
 
 
+def settle(
+    one_step: Callable[[], tuple[float, float, Any]],
+    quiet_iterations: Callable[[], int],
+    settle_steps: int,
+    quiet_so_far: int,
+    time_left: Callable[[float], bool],
+) -> tuple[list[tuple[float, float]], bool]:
+    """A session column's warm-up steps after --warmup: up to settle_steps of them until
+    SETTLED_QUIET_STEPS in a row ran quiet (counting those at the end of --warmup, quiet_so_far),
+    while time_left(the last step's seconds) says another fits. The (seconds, loss) of each
+    step it ran, and whether the session settled."""
+    ran: list[tuple[float, float]] = []
+    quiet_in_a_row = quiet_so_far
+    while quiet_in_a_row < SETTLED_QUIET_STEPS and len(ran) < settle_steps:
+        if ran and not time_left(ran[-1][0]):
+            break
+        before = quiet_iterations()
+        seconds, loss, _ = one_step()
+        ran.append((seconds, loss))
+        quiet_in_a_row = quiet_in_a_row + 1 if quiet_iterations() > before else 0
+    return ran, quiet_in_a_row >= SETTLED_QUIET_STEPS
+
+
 def timed_step(step: Callable[[], tuple[float, float | None]]) -> tuple[float, float, Any]:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -783,14 +810,37 @@ def train(column: str, args, result: dict) -> None:
     reset_peaks(tus)
     losses: list[float] = []
     warmup_s: list[float] = []
+    quiet_at_end = 0  # of a session column: its quiet steps in a row at the end of the warm-up
     for i in range(args.warmup):
         if time.time() > args.deadline:
             raise TimeoutError(f"deadline reached after {i} of {args.warmup} warm-up steps")
+        before = session.stats()["quiet_iterations"] if session is not None else 0
         seconds, loss, _ = one_step()
+        if session is not None:
+            quiet = session.stats()["quiet_iterations"] > before
+            quiet_at_end = quiet_at_end + 1 if quiet else 0
         warmup_s.append(seconds)
         result["warmup_s"] = warmup_s
         losses.append(loss)
         log(f"{column}: warm-up step {i + 1}/{args.warmup}: {seconds:.3f} s, loss {loss:.4f}")
+    if session is not None and args.settle_steps > 0:
+
+        def time_left(last_s: float) -> bool:  # and room for the timed steps after it
+            return time.time() + last_s * (1 + MIN_TIMED_STEPS) < args.soft_deadline
+
+        settling, settled = settle(
+            one_step,
+            lambda: session.stats()["quiet_iterations"],
+            args.settle_steps,
+            quiet_at_end,
+            time_left,
+        )
+        for seconds, loss in settling:
+            warmup_s.append(seconds)
+            losses.append(loss)
+        result.update(warmup_s=warmup_s, settle_steps_run=len(settling), settled=settled)
+        how = "two quiet steps in a row" if settled else "no two quiet steps in a row"
+        log(f"{column}: {len(settling)} more warm-up steps until settled: {how}")
     peak_warmup = read_peaks(tus)
     reset_peaks(tus)
     before = tus_counters(tus) if tus is not None else {}

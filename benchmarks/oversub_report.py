@@ -256,7 +256,7 @@ def unsettled(run: dict) -> list[str]:
     if watched and quiet:
         return [
             f"{watched:.0f} of {watched + quiet:.0f} timed steps ran watched: not the steady "
-            "state (raise --warmup)"
+            "state (raise --settle-steps or --warmup)"
         ]
     return []
 

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_oversubscription as bench  # noqa: E402
+from oversub_child import settle  # noqa: E402
 from oversub_report import make_row, row_line  # noqa: E402
 
 GiB = 1 << 30
@@ -88,8 +89,9 @@ def test_bytes_moved_count_the_state_staged_from_the_host_both_ways():
     assert result["moved_bytes_per_step"] == 24e9
 
 
-def test_placement_share_reaches_the_overlap_child(monkeypatch):
-    """--placement-share is handed to each child (lms-v2-overlap's suggest_placement takes it)."""
+def test_placement_share_and_settle_steps_reach_the_child(monkeypatch):
+    """--placement-share is handed to each child (lms-v2-overlap's suggest_placement takes it),
+    and so is --settle-steps."""
     from types import SimpleNamespace
 
     commands = []
@@ -101,7 +103,8 @@ def test_placement_share_reaches_the_overlap_child(monkeypatch):
 
     monkeypatch.setattr(bench, "run_marked_child", fake_child)
     monkeypatch.setattr(bench, "child_env", dict)
-    options = dict(steps=2, warmup=1, seed=0, seq=8, activation_batch=1, state_batch=1,
+    options = dict(steps=2, warmup=1, settle_steps=5, seed=0, seq=8, activation_batch=1,
+                   state_batch=1,
                    bandwidth_gib=1.0, pin_parameters=True, size_lms_mib=1.0,
                    overlap_state="auto", time_budget=600, child_timeout=60,
                    child_target_s=30, out=None)  # fmt: skip
@@ -110,6 +113,62 @@ def test_placement_share_reaches_the_overlap_child(monkeypatch):
         runner.launch("lms-v2-overlap", "state", 2.0, limit=GiB, native_peak=2 * GiB)
         tail = commands[-1][commands[-1].index("--overlap-state") + 2 :]
         assert tail == expected
+        settle = commands[-1].index("--settle-steps")
+        assert commands[-1][settle + 1] == "5"
+
+
+class FakeSession:
+    """Steps whose quietness is scripted: one_step() runs the next, quiet_iterations() counts."""
+
+    def __init__(self, quiet: list[bool]) -> None:
+        self.script = list(quiet)
+        self.quiet = 0
+        self.ran = 0
+
+    def one_step(self):
+        self.quiet += self.script[self.ran]
+        self.ran += 1
+        return self.ran / 10, 5.0 - self.ran, None
+
+    def settle(self, settle_steps=8, quiet_so_far=0, time_left=lambda last_s: True):
+        return settle(self.one_step, lambda: self.quiet, settle_steps, quiet_so_far, time_left)
+
+
+def test_warm_up_goes_on_until_two_steps_in_a_row_ran_quiet():
+    # Watched twice more, then quiet: settled after the second quiet step, none run after it.
+    session = FakeSession([False, False, True, True, True])
+    ran, settled = session.settle()
+    assert settled and session.ran == 4
+    assert ran == [(0.1, 4.0), (0.2, 3.0), (0.3, 2.0), (0.4, 1.0)]
+    # A quiet step then a watched one starts the count again.
+    session = FakeSession([True, False, True, True, False])
+    assert session.settle()[1] and session.ran == 4
+    # Quiet at the end of --warmup already: nothing more runs.
+    session = FakeSession([False])
+    assert session.settle(quiet_so_far=2) == ([], True) and session.ran == 0
+    # One quiet step at the end of --warmup counts: one more settles it.
+    session = FakeSession([True, False])
+    assert session.settle(quiet_so_far=1)[1] and session.ran == 1
+
+
+def test_a_session_that_never_goes_quiet_runs_the_settle_steps_and_says_so():
+    session = FakeSession([False] * 10)
+    ran, settled = session.settle(settle_steps=3)
+    assert not settled and len(ran) == 3 and session.ran == 3
+    session = FakeSession([False] * 10)
+    assert session.settle(settle_steps=0) == ([], False) and session.ran == 0
+
+
+def test_settling_stops_when_the_time_left_does_not_fit_another_step():
+    session = FakeSession([False] * 10)
+    asked = []
+
+    def time_left(last_s):
+        asked.append(last_s)
+        return len(asked) < 2
+
+    ran, settled = session.settle(time_left=time_left)
+    assert not settled and len(ran) == session.ran == 2 and asked == [0.1, 0.2]
 
 
 def test_a_session_that_went_quiet_while_timed_is_flagged_as_not_settled():
