@@ -113,8 +113,8 @@ def test_placement_share_and_settle_steps_reach_the_child(monkeypatch):
         runner.launch("lms-v2-overlap", "state", 2.0, limit=GiB, native_peak=2 * GiB)
         tail = commands[-1][commands[-1].index("--overlap-state") + 2 :]
         assert tail == expected
-        settle = commands[-1].index("--settle-steps")
-        assert commands[-1][settle + 1] == "5"
+        flag = commands[-1].index("--settle-steps")
+        assert commands[-1][flag + 1] == "5"
 
 
 class FakeSession:
