@@ -677,11 +677,19 @@ def settle(
     while quiet_in_a_row < SETTLED_QUIET_STEPS and len(ran) < settle_steps:
         if ran and not time_left(ran[-1][0]):
             break
-        before = quiet_iterations()
-        seconds, loss, _ = one_step()
+        seconds, loss, quiet = quiet_step(one_step, quiet_iterations)
         ran.append((seconds, loss))
-        quiet_in_a_row = quiet_in_a_row + 1 if quiet_iterations() > before else 0
+        quiet_in_a_row = quiet_in_a_row + 1 if quiet else 0
     return ran, quiet_in_a_row >= SETTLED_QUIET_STEPS
+
+
+def quiet_step(
+    one_step: Callable[[], tuple[float, float, Any]], quiet_iterations: Callable[[], int]
+) -> tuple[float, float, bool]:
+    """One step's seconds and loss, and whether it ran quiet (Note [Quiet iterations])."""
+    before = quiet_iterations()
+    seconds, loss, _ = one_step()
+    return seconds, loss, quiet_iterations() > before
 
 
 def timed_step(step: Callable[[], tuple[float, float | None]]) -> tuple[float, float, Any]:
@@ -810,15 +818,16 @@ def train(column: str, args, result: dict) -> None:
     reset_peaks(tus)
     losses: list[float] = []
     warmup_s: list[float] = []
+
+    def quiet_iterations() -> int:  # a column without a session never runs quiet
+        return session.stats()["quiet_iterations"] if session is not None else 0
+
     quiet_at_end = 0  # of a session column: its quiet steps in a row at the end of the warm-up
     for i in range(args.warmup):
         if time.time() > args.deadline:
             raise TimeoutError(f"deadline reached after {i} of {args.warmup} warm-up steps")
-        before = session.stats()["quiet_iterations"] if session is not None else 0
-        seconds, loss, _ = one_step()
-        if session is not None:
-            quiet = session.stats()["quiet_iterations"] > before
-            quiet_at_end = quiet_at_end + 1 if quiet else 0
+        seconds, loss, quiet = quiet_step(one_step, quiet_iterations)
+        quiet_at_end = quiet_at_end + 1 if quiet else 0
         warmup_s.append(seconds)
         result["warmup_s"] = warmup_s
         losses.append(loss)
@@ -829,11 +838,7 @@ def train(column: str, args, result: dict) -> None:
             return time.time() + last_s * (1 + MIN_TIMED_STEPS) < args.soft_deadline
 
         settling, settled = settle(
-            one_step,
-            lambda: session.stats()["quiet_iterations"],
-            args.settle_steps,
-            quiet_at_end,
-            time_left,
+            one_step, quiet_iterations, args.settle_steps, quiet_at_end, time_left
         )
         for seconds, loss in settling:
             warmup_s.append(seconds)

@@ -530,6 +530,7 @@ def run_one(
         times.append(time.perf_counter() - start)
         queue_times.append(queued[-1] - start)
         step_retries.append(retries() - retries_at_start)
+    calls_after = device_calls()
     out = {
         "step_s": statistics.median(times[warmup:]),
         "steps_s": [round(t, 4) for t in times[warmup:]],  # a process's own scatter
@@ -541,8 +542,8 @@ def run_one(
         # PyTorch's allocator giving its cache back and trying again: each waits for pending
         # copies and, with expandable segments, synchronizes the stream before it unmaps
         "alloc_retries": sum(step_retries[warmup:]) / steps,
-        "device_allocs": (device_calls()[0] - calls_before[0]) / steps,
-        "device_frees": (device_calls()[1] - calls_before[1]) / steps,
+        "device_allocs": (calls_after[0] - calls_before[0]) / steps,
+        "device_frees": (calls_after[1] - calls_before[1]) / steps,
     }
     if session is not None:
         after = session.stats()
