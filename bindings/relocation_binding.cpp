@@ -27,6 +27,8 @@ py::dict counters_dict(const RelocationPlanner& planner) {
   out["prefetch_failed"] = c.prefetch_failed;
   out["oom_events"] = c.oom_events;
   out["over_budget_uses"] = c.over_budget_uses;
+  out["ahead_pageout_count"] = c.ahead_pageout_count;
+  out["ahead_pageout_bytes"] = c.ahead_pageout_bytes;
   out["budget_bytes"] = planner.budget();
   out["resident_bytes"] = planner.resident_bytes();
   out["peak_resident_bytes"] = planner.peak_resident_bytes();
@@ -46,6 +48,8 @@ void bind_relocation(py::module_& module) {
       .def(py::init<std::size_t>(), py::arg("budget"))
       .def_property("budget", &Planner::budget, &Planner::set_budget)
       .def_property("prefetch_depth", &Planner::prefetch_depth, &Planner::set_prefetch_depth)
+      .def_property("page_out_ahead", &Planner::page_out_ahead, &Planner::set_page_out_ahead,
+                    "Note [Paging out ahead]: on by default; off, it forgets what it learned.")
       .def("add", &Planner::add, py::arg("id"), py::arg("nbytes"), py::arg("persistent"))
       .def("remove", &Planner::remove, py::arg("id"))
       .def("make_persistent", &Planner::make_persistent, py::arg("id"))

@@ -69,6 +69,7 @@ COUNTED = (  # the session's counters reported per step
     *MOVED,
     "clean_pageout_bytes",
     "dead_pageout_bytes",
+    "ahead_pageout_bytes",
     "quiet_iterations",
     "prefetch_wasted",
     "prefetch_failed",
@@ -240,6 +241,8 @@ def log_planner_calls(log: list) -> None:
         def __init__(self, budget: int) -> None:
             object.__setattr__(self, "_planner", real.RelocationPlanner(budget))
             log.append(["new", budget])
+            # Its defaults as settings: a replay on a later build starts from these.
+            log.append(["set", "page_out_ahead", self._planner.page_out_ahead])
 
         def __getattr__(self, name):
             return getattr(self._planner, name)
@@ -459,6 +462,7 @@ def run_one(
     regime: str = "state",
     prefetch_depth: int | None = None,
     without_session: str = "baseline",
+    page_out_ahead: bool = True,
 ) -> dict:
     """One configuration: the state of `share` of the groups on the host under a session, or
     with share None one of WITHOUT_SESSION (`without_session`)."""
@@ -497,6 +501,8 @@ def run_one(
             quiet=quiet,
             prefetch_depth=prefetch_depth,
         )
+        # For A/B runs of Note [Paging out ahead] (relocation_planner.h) on one build.
+        session._planner.page_out_ahead = page_out_ahead
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()
@@ -640,6 +646,11 @@ def main() -> None:
     parser.add_argument("--watch", default="operators", help="the session's watch option")
     parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
     parser.add_argument(
+        "--no-page-out-ahead",
+        action="store_true",
+        help="turn the planner's paging out ahead off (Note [Paging out ahead]), for A/B runs",
+    )
+    parser.add_argument(
         "--probe",
         choices=PROBES,
         help="then lay out one more step (trace), cProfile one, or sample, time (host) or take "
@@ -677,6 +688,7 @@ def main() -> None:
                 not args.no_quiet,
                 args.regime,
                 args.prefetch_depth,
+                page_out_ahead=not args.no_page_out_ahead,
             )
         print(MARK + json.dumps(result), flush=True)
         return
@@ -692,6 +704,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib)]
             command += ["--one", config, "--watch", args.watch]
             command += ["--no-quiet"] if args.no_quiet else []
+            command += ["--no-page-out-ahead"] if args.no_page_out_ahead else []
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--regime", args.regime]
             if args.prefetch_depth is not None:

@@ -6,8 +6,9 @@ policy differs, the first differences show where.
 
     python scripts/replay_planner.py plans.json[.gz] [--verify]
 
-Prints, per iteration, the bytes paged out (clean page-outs and dead storages included),
-paged in on demand and prefetched, and the out-of-memory events the log replays.
+Prints, per iteration, the bytes paged out (clean page-outs and dead storages included; of them
+those paged out ahead, Note [Paging out ahead]), paged in on demand and prefetched, and the
+out-of-memory events the log replays. A log from before paging out ahead replays with it off.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import json
 
 from torch_uvm_saver import _C
 
-COUNTED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes", "prefetch_failed", "oom_events")
+COUNTED = (
+    "pageout_bytes",
+    "ahead_pageout_bytes",
+    "pagein_bytes",
+    "prefetch_bytes",
+    "prefetch_failed",
+    "oom_events",
+)
 
 
 def as_logged(value: object) -> object:
@@ -33,6 +41,8 @@ def replay(log: list, verify: bool) -> tuple[list[dict], int]:
     for entry in log:
         if entry[0] == "new":
             planner = _C.RelocationPlanner(entry[1])
+            # A log from before Note [Paging out ahead] names no setting for it: it was off.
+            planner.page_out_ahead = False
             continue
         if entry[0] == "set":
             setattr(planner, entry[1], entry[2])
@@ -58,13 +68,17 @@ def main() -> None:
     with opener(args.log, "rt") as f:
         log = json.load(f)
     iterations, differences = replay(log, args.verify)
-    print("iteration | out GB | in on demand GB | prefetched GB | prefetches failed | OOM events")
+    print(
+        "iteration | out GB | of them ahead GB | in on demand GB | prefetched GB | "
+        "prefetches failed | OOM events"
+    )
     previous = dict.fromkeys(COUNTED, 0)
     for index, counters in enumerate(iterations):
         delta = {k: counters[k] - previous[k] for k in COUNTED}
         previous = counters
         print(
-            f"{index} | {delta['pageout_bytes'] / 1e9:.2f} | {delta['pagein_bytes'] / 1e9:.2f} | "
+            f"{index} | {delta['pageout_bytes'] / 1e9:.2f} | "
+            f"{delta['ahead_pageout_bytes'] / 1e9:.2f} | {delta['pagein_bytes'] / 1e9:.2f} | "
             f"{delta['prefetch_bytes'] / 1e9:.2f} | {delta['prefetch_failed']} | "
             f"{delta['oom_events']}"
         )

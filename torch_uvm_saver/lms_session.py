@@ -623,7 +623,10 @@ class LmsSession:
         oom_retries (operators run again after making room), clean_pageout_count and
         clean_pageout_bytes (page-outs that copied nothing: Note [Clean page-outs]),
         dead_pageout_count and dead_pageout_bytes (victims that had died: Note [Dead
-        page-outs]; pageout_count and pageout_bytes leave them out),
+        page-outs]; pageout_count and pageout_bytes leave them out), ahead_pageout_count and
+        ahead_pageout_bytes (the planner's page-outs started right after a read, where the
+        iteration before sent the block out later: Note [Paging out ahead] in
+        relocation_planner.h; counted in pageout_count and pageout_bytes too),
         saved_managed (tensors autograd saved that the session took on), skipped_saved (saved
         tensors left resident: Note [What the session relocates]); with watch="modules",
         event_iterations (iterations watched by events), event_recordings (iterations recorded

@@ -15,9 +15,11 @@ void RelocationPlanner::add(BlockId id, std::size_t bytes, bool persistent) {
   Block& block = blocks_[id];
   block.bytes = bytes;
   block.key = persistent ? id : (kTransientKey | transient_added_++);
+  block.added_at = position_;
   by_key_[block.key] = id;
   registered_bytes_ += bytes;
   make_resident(id, block);
+  if (!persistent && page_out_ahead_) ahead_pageouts_.touched(id, block.key, position_);
 }
 
 bool RelocationPlanner::remove(BlockId id) {
@@ -32,6 +34,8 @@ bool RelocationPlanner::remove(BlockId id) {
   if (const auto key = by_key_.find(block.key); key != by_key_.end() && key->second == id) {
     by_key_.erase(key);
   }
+  // A persistent key is the storage's address, which a new storage may take: it learns anew.
+  ahead_pageouts_.removed(id, block.key, (block.key & kTransientKey) == 0);
   registered_bytes_ -= block.bytes;
   blocks_.erase(it);
   return was_out;
@@ -44,6 +48,7 @@ void RelocationPlanner::make_persistent(BlockId id) {
   if (const auto key = by_key_.find(block.key); key != by_key_.end() && key->second == id) {
     by_key_.erase(key);
   }
+  ahead_pageouts_.rekeyed(id, id);
   block.key = id;
   by_key_[id] = id;
 }
@@ -70,6 +75,7 @@ std::uint64_t RelocationPlanner::next_read_after(std::uint64_t key, std::uint64_
 }
 
 void RelocationPlanner::make_resident(BlockId id, Block& block) {
+  if (block.out) ahead_pageouts_.back_in(id);
   block.out = false;
   block.rank = Rank{next_read(block.key), ++tick_, id};
   resident_.insert(block.rank);
@@ -90,15 +96,61 @@ void RelocationPlanner::make_out(Block& block) {
 }
 
 RelocationPlanner::BlockId RelocationPlanner::take_victim(const std::unordered_set<BlockId>& keep,
-                                                          std::uint64_t after) {
+                                                          std::uint64_t after, bool learn) {
   for (auto it = resident_.begin(); it != resident_.end(); ++it) {
     if (it->next_read <= after) return 0;  // everything left is read sooner
     if (keep.count(it->id) != 0) continue;
     const BlockId id = it->id;
-    make_out(blocks_.at(id));
+    const std::uint64_t next_read = it->next_read;
+    Block& block = blocks_.at(id);
+    make_out(block);
+    if (learn && page_out_ahead_) {
+      ahead_pageouts_.victim_taken(next_read);
+      // One read no more (a dead gradient, an activation done with) needs no copy sooner.
+      if (next_read != kNever) learn_page_out(block);
+    }
     return id;
   }
   return 0;
+}
+
+void RelocationPlanner::set_budget(std::size_t bytes) {
+  if (bytes > budget_) ahead_pageouts_.clear();  // the pressure it learned from has eased
+  budget_ = bytes;
+}
+
+void RelocationPlanner::set_page_out_ahead(bool on) {
+  page_out_ahead_ = on;
+  if (!on) ahead_pageouts_.clear();
+}
+
+void RelocationPlanner::learn_page_out(const Block& block) {
+  if ((block.key & kOrphanKey) != 0) return;  // its key names nothing next iteration
+  if (const auto now = reads_now_.find(block.key);
+      now != reads_now_.end() && !now->second.empty()) {
+    ahead_pageouts_.learn(block.key, now->second.back());
+  } else if ((block.key & kTransientKey) != 0) {
+    ahead_pageouts_.learn(block.key, block.added_at);  // made this iteration, not read since
+  } else if (const auto then = reads_then_.find(block.key);
+             then != reads_then_.end() && !then->second.empty()) {
+    // Its last read of the last iteration: this iteration's is still to come.
+    ahead_pageouts_.learn(block.key, then->second.back());
+  }
+}
+
+void RelocationPlanner::page_out_ahead_now(const std::unordered_set<BlockId>& keep, Plan& plan) {
+  for (const AheadPageOuts::Due& due : ahead_pageouts_.take_due()) {
+    const auto it = blocks_.find(due.id);
+    if (it == blocks_.end() || it->second.out || keep.count(due.id) != 0) continue;
+    Block& block = it->second;
+    const std::uint64_t next_read = block.rank.next_read;
+    if (next_read == kNever) continue;  // not read again: no copy sooner (it may die first)
+    make_out(block);
+    ahead_pageouts_.sent(due.id, block.key, block.bytes, due.after, next_read);
+    ++counters_.ahead_pageout_count;
+    counters_.ahead_pageout_bytes += block.bytes;
+    plan.page_out.push_back(due.id);
+  }
 }
 
 std::size_t RelocationPlanner::budget_at(std::uint64_t position) const {
@@ -143,10 +195,38 @@ RelocationPlanner::Plan RelocationPlanner::before_use(const std::vector<BlockId>
     block.rank = Rank{next_read(block.key), ++tick_, id};
     resident_.insert(block.rank);
   }
+  if (page_out_ahead_) {
+    page_out_ahead_now(keep, plan);
+    for (const BlockId id : keep) ahead_pageouts_.touched(id, blocks_.at(id).key, position_);
+  }
   const std::size_t budget = budget_at(position_);
   page_in_needed(plan.page_in, budget, keep, plan);
   plan_prefetch(budget, keep, plan);
+  if (page_out_ahead_) confirm_page_outs_ahead(budget, keep);
   return plan;
+}
+
+void RelocationPlanner::confirm_page_outs_ahead(std::size_t budget,
+                                                const std::unordered_set<BlockId>& keep) {
+  const std::uint64_t unconfirmed = ahead_pageouts_.unconfirmed_bytes();
+  if (unconfirmed == 0 || resident_bytes_ + unconfirmed <= budget) return;
+  // Had they stayed, Belady's rule would have sent out this much: the blocks read furthest
+  // ahead, resident or out ahead, first.
+  std::uint64_t excess = resident_bytes_ + unconfirmed - budget;
+  auto resident = resident_.begin();
+  std::vector<BlockId> confirmed;
+  for (const auto& [next_read, id] : ahead_pageouts_.unconfirmed()) {
+    for (; resident != resident_.end() && resident->next_read > next_read && excess > 0;
+         ++resident) {
+      if (keep.count(resident->id) != 0) continue;
+      const std::uint64_t bytes = blocks_.at(resident->id).bytes;
+      excess -= std::min(excess, bytes);
+    }
+    if (excess == 0) break;
+    confirmed.push_back(id);
+    excess -= std::min(excess, ahead_pageouts_.bytes_out_ahead(id));
+  }
+  for (const BlockId id : confirmed) ahead_pageouts_.confirm(id);
 }
 
 void RelocationPlanner::page_in_needed(const std::vector<BlockId>& ids, std::size_t budget,
@@ -264,7 +344,8 @@ std::vector<RelocationPlanner::BlockId> RelocationPlanner::evict_all(
     const std::vector<BlockId>& keep) {
   const std::unordered_set<BlockId> kept(keep.begin(), keep.end());
   std::vector<BlockId> victims;
-  for (BlockId victim = take_victim(kept, 0); victim != 0; victim = take_victim(kept, 0)) {
+  for (BlockId victim = take_victim(kept, 0, false); victim != 0;
+       victim = take_victim(kept, 0, false)) {
     victims.push_back(victim);
   }
   return victims;
@@ -309,6 +390,7 @@ void RelocationPlanner::end_iteration() {
     block.rank.next_read = next_read(block.key);
     resident_.insert(block.rank);
   }
+  ahead_pageouts_.renumber([this](std::uint64_t key) { return next_read(key); });
 }
 
 void RelocationPlanner::coarsen(const std::vector<std::uint64_t>& to) {
@@ -338,14 +420,17 @@ void RelocationPlanner::coarsen(const std::vector<std::uint64_t>& to) {
     if (seen.insert(key).second) events.emplace_back(mapped, key);
   }
   events_then_ = std::move(events);
+  // Position 0 (a cap before the first read) stays; none lies past the last.
+  const auto coarse = [&to](std::uint64_t position) -> std::uint64_t {
+    return position == 0 ? 0 : to[std::min<std::uint64_t>(position, to.size() - 1)];
+  };
   std::map<std::uint64_t, std::size_t> caps;
   for (const auto& [position, cap] : caps_) {
-    // A cap before the first read (position 0) stays there; none lies past the last.
-    const std::uint64_t mapped = position == 0 ? 0 : to[std::min(position, to.size() - 1)];
-    const auto [it, added] = caps.emplace(mapped, cap);
+    const auto [it, added] = caps.emplace(coarse(position), cap);
     if (!added) it->second = std::min(it->second, cap);
   }
   caps_ = std::move(caps);
+  ahead_pageouts_.coarsen(coarse);
   operators_per_iteration_ = to.size() > 1 ? to.back() : 0;
   resident_.clear();
   for (auto& [id, block] : blocks_) {
@@ -353,6 +438,7 @@ void RelocationPlanner::coarsen(const std::vector<std::uint64_t>& to) {
     block.rank.next_read = next_read(block.key);
     resident_.insert(block.rank);
   }
+  ahead_pageouts_.renumber([this](std::uint64_t key) { return next_read(key); });
 }
 
 }  // namespace tus

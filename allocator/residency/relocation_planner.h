@@ -43,6 +43,26 @@
 //  1.7x the bytes in a simulated GPT-2 XL step). Prefetches are queued on a stream of their own
 //  and overlap compute and page-outs; a prefetched block read while still in counts as a hit, one
 //  evicted before its read as wasted.
+//
+// Note [Paging out ahead]
+//  Victims taken when the budget runs out bunch the copies up: at a cap (a loss's logits) GPT-2
+//  medium at a quarter of its peak sent 3.3 GB out at one operator of the forward, more than the
+//  rest of the forward could copy, and the loss waited for the copies. The last iteration says
+//  when that will happen: a block that went out between two of its reads then goes out right
+//  after the first of them now, unless the next operator reads it. Its copy runs while the device
+//  computes, and the link to the host, idle in a backward that mostly pages in, carries the
+//  optimizer state that the forward would send out (that run's planner log replayed: the 3.34 GB
+//  at one operator became 0.02 GB there, 1.32 GB spread over the forward before it, and 2.06 GB
+//  of state leaving the backward after each group's step; 3.72 GB an iteration, as before). It
+//  is the page-out the block would have had anyway, only sooner, as long as Belady's rule would
+//  still send it out: the planner takes a victim read no later than it, or the resident bytes
+//  with it would pass the budget and it ranks among the blocks that would go. A block back in
+//  before either (prefetched into room nobody needed, or read while out), or dying out there, is
+//  not paged out ahead after that read again. Blocks read no more (kNever: dead gradients,
+//  activations done with) are never sent ahead: their copies would buy nothing. A larger budget
+//  forgets what was learned. Learned per block key and read position (AheadPageOuts); for a
+//  transient block only within its iteration, or after its addition when it went out before any
+//  read.
 #pragma once
 
 #include <cstddef>
@@ -54,6 +74,8 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+#include "allocator/residency/ahead_pageouts.h"
 
 namespace tus {
 
@@ -82,15 +104,21 @@ class RelocationPlanner {
     std::uint64_t prefetch_wasted = 0;
     std::uint64_t prefetch_failed = 0;  // no device memory for it after all
     std::uint64_t oom_events = 0;
-    std::uint64_t over_budget_uses = 0;  // an operator's own blocks alone passed the budget
+    std::uint64_t over_budget_uses = 0;     // an operator's own blocks alone passed the budget
+    std::uint64_t ahead_pageout_count = 0;  // Note [Paging out ahead]; also in pageout_*
+    std::uint64_t ahead_pageout_bytes = 0;
   };
 
   explicit RelocationPlanner(std::size_t budget_bytes) : budget_(budget_bytes) {}
 
-  void set_budget(std::size_t bytes) { budget_ = bytes; }
+  // A larger budget forgets what Note [Paging out ahead] learned under the smaller one.
+  void set_budget(std::size_t bytes);
   std::size_t budget() const { return budget_; }
   void set_prefetch_depth(std::size_t operators) { prefetch_depth_ = operators; }
   std::size_t prefetch_depth() const { return prefetch_depth_; }
+  // Note [Paging out ahead]; on by default. Off, it forgets what it learned.
+  void set_page_out_ahead(bool on);
+  bool page_out_ahead() const { return page_out_ahead_; }
 
   // A resident block joins. InvalidArgument if `id` is known or `bytes` is 0.
   void add(BlockId id, std::size_t bytes, bool persistent);
@@ -161,8 +189,9 @@ class RelocationPlanner {
     std::size_t bytes = 0;
     std::uint64_t key = 0;
     bool out = false;
-    bool prefetched = false;  // paged in ahead and not read since
-    Rank rank{};              // its entry in resident_ while resident
+    bool prefetched = false;     // paged in ahead and not read since
+    std::uint64_t added_at = 0;  // the position it was added at, in its iteration
+    Rank rank{};                 // its entry in resident_ while resident
   };
 
   // The block of `key`'s next read after now, or after `position`, in the previous iteration's
@@ -177,7 +206,17 @@ class RelocationPlanner {
   void make_resident(BlockId id, Block& block);
   void make_out(Block& block);
   // Sends out the best victim not in `keep` whose next read lies after `after`; 0 if none.
-  BlockId take_victim(const std::unordered_set<BlockId>& keep, std::uint64_t after);
+  // `learn`: remember the page-out (Note [Paging out ahead]); not when reclaiming everything.
+  BlockId take_victim(const std::unordered_set<BlockId>& keep, std::uint64_t after,
+                      bool learn = true);
+  // Note [Paging out ahead]: a victim went out; after which of its reads it will next time.
+  void learn_page_out(const Block& block);
+  // Note [Paging out ahead]: sends out the blocks due to go (touched last at the operator before
+  // and not read by this one).
+  void page_out_ahead_now(const std::unordered_set<BlockId>& keep, Plan& plan);
+  // Note [Paging out ahead]: blocks out ahead that Belady's rule would have sent out by now, had
+  // they stayed (resident and unconfirmed bytes together past `budget`), are confirmed.
+  void confirm_page_outs_ahead(std::size_t budget, const std::unordered_set<BlockId>& keep);
   // Whether `bytes` fit under the budget once the victims read after `after` are out.
   // Pages in the blocks of `ids` that are out, evicting others (not in `keep`) past the budget.
   void page_in_needed(const std::vector<BlockId>& ids, std::size_t budget,
@@ -211,6 +250,8 @@ class RelocationPlanner {
   std::size_t prefetch_scanned_ = 0;
   // events_then_ before it lie in the past
   std::size_t ahead_ = 0;
+  bool page_out_ahead_ = true;
+  AheadPageOuts ahead_pageouts_;
   Counters counters_;
 };
 

@@ -28,6 +28,9 @@ import thread_cpu  # noqa: E402
 GiB = 1 << 30
 KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
 PLANNER_LOG = ROOT / "benchmarks/results/lms_planner_log_xl_2x_NVIDIA_H100_80GB_HBM3.json.gz"
+PLANNER_LOG_AHEAD = (
+    ROOT / "benchmarks/results/lms_planner_log_xl_2x_paging_ahead_NVIDIA_H200.json.gz"
+)
 
 
 def snapshot(trace: list[tuple[str, int, int]], reserved: int = 10 * GiB) -> dict:
@@ -129,20 +132,38 @@ def test_an_ab_that_builds_its_sides_needs_the_base_whole(base_tree, tmp_path):
         assert (source / needed).exists(), needed
 
 
-def test_the_kept_xl_planner_log_replays_to_the_same_plans():
-    # GPT-2 XL at 2x on an H100, all the state on the device, logged by lms_state_split.py
-    # --probe plans. The planner decides from its calls alone, so this build's planner returns
-    # what the GPU run's did; a change to its policy fails here first (log the run again).
+def replayed(path) -> tuple[dict, int]:
+    """The log's steady iteration (the sixth less the fifth) replayed on this build, and how
+    many results differ from the log's."""
     import gzip
     import json
 
-    with gzip.open(PLANNER_LOG, "rt") as f:
+    with gzip.open(path, "rt") as f:
         log = json.load(f)
     iterations, differences = replay_planner.replay(log, verify=True)
+    return {k: iterations[5][k] - iterations[4][k] for k in iterations[5]}, differences
+
+
+def test_the_kept_xl_planner_log_replays_to_the_same_plans():
+    # GPT-2 XL at 2x on an H100, all the state on the device, logged by lms_state_split.py
+    # --probe plans. The planner decides from its calls alone, so this build's planner returns
+    # what the GPU run's did; a change to its policy fails here first (log the run again). The
+    # log is older than paging out ahead, which the replay turns off for it.
+    steady, differences = replayed(PLANNER_LOG)
     assert differences == 0
-    steady = {k: iterations[5][k] - iterations[4][k] for k in iterations[5]}
     assert steady["pagein_bytes"] == 0  # every page-in a prefetch
     assert round(steady["prefetch_bytes"] / 1e9, 2) == 6.04
+    assert steady["ahead_pageout_bytes"] == 0
+
+
+def test_the_kept_xl_log_with_paging_out_ahead_replays_to_the_same_plans():
+    # The same configuration on an H200 with Note [Paging out ahead] on (its default): part of
+    # what the planner sends out goes right after a read, and every page-in is still a prefetch.
+    steady, differences = replayed(PLANNER_LOG_AHEAD)
+    assert differences == 0
+    assert steady["pagein_bytes"] == 0
+    assert round(steady["prefetch_bytes"] / 1e9, 2) == 5.31
+    assert round(steady["ahead_pageout_bytes"] / 1e9, 2) == 5.02
 
 
 OUT = "Memcpy DtoH (Device -> Pinned)"  # a page-out's copy, as torch.profiler names it

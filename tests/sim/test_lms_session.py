@@ -530,3 +530,19 @@ def test_the_cuda_malloc_async_backend_is_refused_with_the_reason(monkeypatch):
         session_module._refuse_unbounded_backend()
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     session_module._refuse_unbounded_backend()  # the native caching allocator opens
+
+
+def test_the_session_pages_out_ahead_and_trains_bit_for_bit():
+    """Note [Paging out ahead] (relocation_planner.h): from the third iteration on, part of what
+    goes out leaves right after a read, as the iteration before sent it out later; no written
+    byte is lost to it."""
+    reference_model, reference_optimizer = make_model()
+    reference = train(reference_model, reference_optimizer, steps=5)
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, budget=200_000)
+    losses = train(model, optimizer, session, steps=5)
+    stats = session.stats()
+    session.close()
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
+    assert 0 < stats["ahead_pageout_count"] < stats["pageout_count"]
+    assert 0 < stats["ahead_pageout_bytes"] < stats["pageout_bytes"]

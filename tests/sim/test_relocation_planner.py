@@ -7,9 +7,12 @@ from torch_uvm_saver import _C, errors
 KB = 1000
 
 
-def planner(budget, depth=0):
+def planner(budget, depth=0, ahead=False):
+    """Paging out ahead (Note [Paging out ahead]) is off unless asked for: the tests before its
+    own check the victims and prefetches it would move earlier."""
     p = _C.RelocationPlanner(budget)
     p.prefetch_depth = depth
+    p.page_out_ahead = ahead
     return p
 
 
@@ -340,3 +343,105 @@ def test_coarsen_moves_caps_and_refuses_bad_maps():
     p.coarsen([0, 1, 1, 2, 2])
     assert p.budget_at(2) < 4 * KB and p.budget_at(1) < 4 * KB  # the cap sits at 2, in reach
     assert p.counters()["capped_positions"] == 1
+
+
+# Note [Paging out ahead]: blocks 1, 2, 3 of 1 KB with room for two, read in this order every
+# iteration. Without paging out ahead, 1 goes out at 4 (for 3) and 3 at 6 (for 1).
+AHEAD_TRACE = ([1], [2], [2], [3], [2], [1])
+
+
+def ahead_iteration(p, trace=AHEAD_TRACE):
+    """Runs one iteration of `trace`: {position: plan} for the positions with one, and the bytes
+    paged out and in."""
+    before = p.counters()
+    plans = {}
+    for position, ids in enumerate(trace, 1):
+        plan = p.before_use(ids)
+        if plan is not None:
+            plans[position] = plan
+    p.end_iteration()
+    after = p.counters()
+    moved = tuple(after[k] - before[k] for k in ("pageout_bytes", "pagein_bytes", "prefetch_bytes"))
+    return plans, moved
+
+
+def ahead_planner(ahead=True, budget=2 * KB, depth=0):
+    p = planner(budget, depth=depth, ahead=ahead)
+    for block in (1, 2, 3):
+        p.add(block, KB, True)
+    return p
+
+
+def test_a_block_that_went_out_between_two_reads_goes_out_right_after_the_first_next_time():
+    off, on = ahead_planner(ahead=False), ahead_planner()
+    for _ in range(2):  # the first has no trace; the second learns when blocks went out
+        ahead_iteration(off)
+        ahead_iteration(on)
+    for _ in range(3):
+        plans_off, moved_off = ahead_iteration(off)
+        plans_on, moved_on = ahead_iteration(on)
+        assert plans_off == {4: ([1], [3], []), 6: ([3], [1], [])}
+        # 1 leaves at the operator after its read at 1, 3 at the one after its read at 4: their
+        # copies start two and one operators sooner, and an iteration moves the same bytes.
+        assert plans_on == {2: ([1], [], []), 4: ([], [3], []), 5: ([3], [], []), 6: ([], [1], [])}
+        assert moved_on == moved_off == (2 * KB, 2 * KB, 0)
+    counters = on.counters()
+    assert counters["ahead_pageout_count"] == 6 and counters["ahead_pageout_bytes"] == 6 * KB
+    assert off.counters()["ahead_pageout_count"] == 0
+
+
+def test_a_block_paged_out_ahead_into_room_no_one_needed_stays_after_that_read_from_then_on():
+    p = ahead_planner()
+    for _ in range(3):
+        ahead_iteration(p)
+    p.remove(2)  # room for 1 and 3 together from now on
+    trace = ([1], [3], [1])
+    plans, _ = ahead_iteration(p, trace)
+    # 1 still goes out after its read at 1 (learned when room was short; 3 comes in there) and
+    # back in on demand at 3, no block sent out in between: going ahead bought nothing, and is
+    # not done again.
+    assert plans == {2: ([1], [3], []), 3: ([], [1], [])}
+    for _ in range(2):
+        assert ahead_iteration(p, trace) == ({}, (0, 0, 0))
+
+
+def test_a_larger_budget_forgets_what_paging_out_ahead_learned():
+    p = ahead_planner()
+    for _ in range(3):
+        ahead_iteration(p)
+    assert p.counters()["ahead_pageout_count"] > 0
+    p.budget = 3 * KB  # room for everything: nothing goes out, ahead or not
+    before = p.counters()["ahead_pageout_count"]
+    plans, moved = ahead_iteration(p)
+    assert p.counters()["ahead_pageout_count"] == before
+    assert moved[0] == 0 and all(not plan[0] for plan in plans.values())
+
+
+def test_a_block_read_no_more_is_never_paged_out_ahead():
+    # A transient block (an activation done with, a gradient a step dropped) is a victim that
+    # is read no more: copying it sooner would buy nothing, and it may die before its copy.
+    p = planner(2 * KB, ahead=True)
+    p.add(1, KB, True)
+    p.add(2, KB, True)
+    victims = []
+    for iteration in range(4):
+        p.before_use([1])
+        p.add(100 + iteration, KB, False)  # made after 1's read, never read
+        plan = p.before_use([2])
+        victims.append(plan[0] if plan is not None else [])
+        p.before_use([1, 2])
+        p.remove(100 + iteration)
+        p.end_iteration()
+    # Once there is a trace it is the victim, where the budget runs out, every time.
+    assert victims[1:] == [[101], [102], [103]]
+    assert p.counters()["ahead_pageout_count"] == 0
+
+
+def test_paging_out_ahead_off_forgets_what_it_learned():
+    p = ahead_planner()
+    for _ in range(3):
+        ahead_iteration(p)
+    p.page_out_ahead = False
+    assert not p.page_out_ahead
+    plans, _ = ahead_iteration(p)
+    assert plans == {4: ([1], [3], []), 6: ([3], [1], [])}
