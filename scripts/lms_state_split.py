@@ -23,7 +23,9 @@ A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --f
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
 the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a time.
 
---watch modules and --no-quiet pass watch="modules" and quiet=False to the session.
+--watch modules and --no-quiet pass watch="modules" and quiet=False to the session;
+--no-page-out-ahead turns its planner's paging out ahead off (Note [Paging out ahead]), to
+compare processes of one build with it on and off.
 
     python scripts/lms_state_split.py --limit-gib 16.66 --watch modules --rounds 3 \
         --configs "baseline overlap helper,1"   (these configurations in turn, three rounds)

@@ -534,6 +534,13 @@ class RelocationPlanner:
     @budget.setter
     def budget(self, arg1: typing.SupportsInt | typing.SupportsIndex) -> None: ...
     @property
+    def page_out_ahead(self) -> bool:
+        """
+        Note [Paging out ahead]: on by default; off, it forgets what it learned.
+        """
+    @page_out_ahead.setter
+    def page_out_ahead(self, arg1: bool) -> None: ...
+    @property
     def position(self) -> int: ...
     @property
     def prefetch_depth(self) -> int: ...
