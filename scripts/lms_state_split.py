@@ -503,8 +503,8 @@ def run_one(
             quiet=quiet,
             prefetch_depth=prefetch_depth,
         )
-        # For A/B runs of Note [Paging out ahead] (relocation_planner.h) on one build.
-        session._planner.page_out_ahead = page_out_ahead
+        if not page_out_ahead:  # A/B runs of Note [Paging out ahead] on one build
+            session._planner.page_out_ahead = False
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()
