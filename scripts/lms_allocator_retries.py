@@ -46,6 +46,19 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
                 pending_blocks.add(block["address"])
     # A retry waits for every pending free (free_completed), then unmaps what is cached
     # (segment_unmap), then serves the request (alloc): the state before such a run counts.
+    mapped = [
+        (b["address"], b["address"] + b["size"])
+        for segment in start["segments"]
+        if segment["device"] == device
+        for b in segment["blocks"]
+    ]
+    live = {
+        b["address"]: b["size"]
+        for segment in start["segments"]
+        if segment["device"] == device
+        for b in segment["blocks"]
+        if b["state"] in ("active_allocated", "active_pending_free")
+    }
     retries: list[dict] = []
     run: dict | None = None
     for entry in snapshot["trace"]:
@@ -55,19 +68,23 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
             if run is None:
                 run = {"allocated": allocated, "pending": pending, "reserved": reserved}
                 run.update(released=0, waited=0, unmapped=False)
+                run["largest_free"] = _largest_free_piece(mapped, live)
         elif action not in ("alloc", "segment_map", "segment_alloc"):
             run = None
         if action in ("segment_unmap", "segment_free"):
             run["released"] += size
             run["unmapped"] = True
             reserved -= size
+            mapped = _without(mapped, addr, addr + size)
         elif action in ("segment_map", "segment_alloc"):
             reserved += size
+            mapped.append((addr, addr + size))
         elif action == "free_requested":
             pending += size
             pending_blocks.add(addr)
         elif action == "free_completed":
             allocated -= size
+            live.pop(addr, None)
             if waited:
                 pending_blocks.discard(addr)
                 pending -= size
@@ -78,7 +95,46 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
                 retries.append(run)
             run = None
             allocated += size
+            live[addr] = size
     return retries
+
+
+def _without(ranges: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
+    """`ranges` with [begin, end) cut out of them."""
+    kept = []
+    for low, high in ranges:
+        if high <= begin or low >= end:
+            kept.append((low, high))
+            continue
+        if low < begin:
+            kept.append((low, begin))
+        if high > end:
+            kept.append((end, high))
+    return kept
+
+
+def _largest_free_piece(mapped: list[tuple[int, int]], live: dict[int, int]) -> int:
+    """The largest stretch of mapped memory that no live block covers: the largest request the
+    cache could serve without mapping more."""
+    cuts = [(low, 1) for low, _ in mapped] + [(high, -1) for _, high in mapped]
+    cuts += [(a, -2) for a in live] + [(a + n, 2) for a, n in live.items()]
+    # Where two mappings meet, the second starts before the first ends: one stretch.
+    cuts.sort(key=lambda cut: (cut[0], -cut[1]))
+    depth_mapped = depth_live = 0
+    largest = 0
+    free_since = None
+    for position, change in cuts:
+        if abs(change) == 1:
+            depth_mapped += change
+        else:
+            depth_live -= change // 2
+        free = depth_mapped > 0 and depth_live == 0
+        if free and free_since is None:
+            free_since = position
+        elif not free and free_since is not None:
+            largest = max(largest, position - free_since)
+            free_since = None
+    return largest
 
 
 def report(snapshot: dict) -> None:
@@ -89,7 +145,10 @@ def report(snapshot: dict) -> None:
         f"limit {snapshot.get('limit_gib', '?')} GiB"
     )
     print(f"{len(retries)} retries in the step; the limit PyTorch checks {fraction / GiB:.2f} GiB")
-    print("request GiB | allocated | pending | cached (free) | room | waited | released | cause")
+    print(
+        "request GiB | allocated | pending | cached (free) | largest free piece | room | "
+        "waited | released | cause"
+    )
     for r in retries:
         cached = r["reserved"] - r["allocated"]
         room = fraction - r["reserved"]
@@ -103,7 +162,8 @@ def report(snapshot: dict) -> None:
             cause = "short of memory"
         print(
             f"{r['request'] / GiB:11.3f} | {r['allocated'] / GiB:9.2f} | "
-            f"{r['pending'] / GiB:7.2f} | {cached / GiB:13.2f} | {room / GiB:4.2f} | "
+            f"{r['pending'] / GiB:7.2f} | {cached / GiB:13.2f} | "
+            f"{r['largest_free'] / GiB:18.3f} | {room / GiB:4.2f} | "
             f"{r['waited'] / GiB:6.2f} | {r['released'] / GiB:8.2f} | {cause}"
         )
 
@@ -118,21 +178,33 @@ def record(limit_gib: float, warmup: int, budget_gib: float | None) -> dict:
     ids = torch.randint(0, 50257, (8, 1024), device="cuda")
     options = {} if budget_gib is None else {"budget": int(budget_gib * GiB)}
     session = tus.lms_session(int(limit_gib * GiB), [model], [optimizer], **options)
-    for _ in range(warmup):
+
+    def one() -> None:
         with session:
             step(model, optimizer, ids)
+
+    for _ in range(warmup):
+        one()
+    snapshot = record_step(one, limit_gib)
+    session.close()
+    return snapshot
+
+
+def record_step(one, limit_gib: float) -> dict:
+    """One call of `one` (a training step) recorded with PyTorch's memory history, in the form
+    report() reads; prints how many retries PyTorch counted in it."""
+    import torch
+
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
     start = torch.cuda.memory._snapshot()
     before = torch.cuda.memory_stats()["num_alloc_retries"]
-    with session:
-        step(model, optimizer, ids)
+    one()
     torch.cuda.synchronize()
     after = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     retries = torch.cuda.memory_stats()["num_alloc_retries"] - before
     fraction = torch.cuda.get_per_process_memory_fraction() * torch.cuda.mem_get_info()[1]
-    session.close()
     print(f"PyTorch counted {retries} retries in the recorded step")
     segment_keys, block_keys = ("device", "total_size"), ("state", "size", "address")
     return {

@@ -17,7 +17,10 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         session paged out over --steps more steps, by what it was and what became of it;
         --probe host: the host time of the session's, step_in_backward's and the optimizer's
         functions, each timed inclusively over --steps more steps; --probe threads: each
-        thread's CPU time a step over --steps more steps, scripts/thread_cpu.py)
+        thread's CPU time a step over --steps more steps, scripts/thread_cpu.py; --probe
+        retries: one more step recorded with PyTorch's memory history, its allocator retries
+        laid out as scripts/lms_allocator_retries.py does, the recording written to the file
+        SPLIT_RETRIES names (default retries.json.gz) for its --from-snapshot)
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
@@ -61,7 +64,17 @@ from profile_lms_session import step
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
 MARK = "SPLIT "
-PROBES = ("trace", "cprofile", "sample", "ops", "plans", "pageouts", "host", "threads")
+PROBES = (
+    "trace",
+    "cprofile",
+    "sample",
+    "ops",
+    "plans",
+    "pageouts",
+    "host",
+    "threads",
+    "retries",
+)
 # --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
 # parameter groups) stepping after the backward (groups); and stepping in it (overlap:
 # step_in_backward(free_gradients=True, modules=[model]), as the sessions run it). Where a
@@ -577,6 +590,16 @@ def run_one(
         stats.sort_stats("cumulative").print_stats(40)
     if probe == "sample":
         print_samples(one, steps)
+    if probe == "retries":
+        import gzip
+
+        from lms_allocator_retries import record_step, report
+
+        snapshot = record_step(one, limit / GiB)
+        path = os.environ.get("SPLIT_RETRIES", "retries.json.gz")
+        with gzip.open(path, "wt") as f:
+            json.dump(snapshot, f)
+        report(snapshot)
     if probe == "plans":
         path = os.environ.get("SPLIT_PLANS", "plans.json")
         with open(path, "w") as f:

@@ -67,8 +67,17 @@ def test_a_retry_is_the_state_before_its_waits_and_unmaps():
             "waited": 2 * GiB,
             "unmapped": True,
             "request": 5 * GiB,
+            "largest_free": 4 * GiB,  # the pending block still counts as live
         }
     ]
+
+
+def test_the_largest_free_piece_is_mapped_memory_no_live_block_covers():
+    mapped = [(0, 10), (20, 30), (30, 34)]  # two mappings that meet at 30 make one stretch
+    live = {2: 3, 25: 3}
+    # Free: 0-2, 5-10, 20-25 and 28-34; 10-20 is not mapped.
+    assert lms_allocator_retries._largest_free_piece(mapped, live) == 6
+    assert lms_allocator_retries._largest_free_piece(mapped, {0: 34}) == 0
 
 
 def test_reusing_a_completed_free_is_not_a_retry():
@@ -93,6 +102,8 @@ def test_the_kept_h100_step_retries_three_times_all_with_memory_free_in_pieces(c
     retries = lms_allocator_retries.replay(kept)
     assert [round(r["request"] / GiB, 3) for r in retries] == [0.767, 1.534, 0.125]
     assert all(r["reserved"] - r["allocated"] >= r["request"] for r in retries)
+    # ...but in pieces: none of them as large as the request
+    assert [round(r["largest_free"] / GiB, 3) for r in retries] == [0.648, 0.777, 0.078]
     lms_allocator_retries.report(kept)
     assert capsys.readouterr().out.count("fragmentation: free in pieces") == 3
 
