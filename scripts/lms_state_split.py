@@ -418,6 +418,25 @@ HOST_TIMED = (  # (module, class or None, function): what the probe "host" times
     ("torch_uvm_saver.lms_events", "EventWatch", "step_ends"),
     ("torch_uvm_saver.host_state", "HostState", "stage_in"),
     ("torch_uvm_saver.host_state", "HostState", "stage_out"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_page_out_all"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_prefetch_all"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_page_in_making_room"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_wait_landing"),
+    ("torch_uvm_saver.lms_session", "LmsSession", "_take_device_memory"),
+    ("torch_uvm_saver._C", "RelocationPlanner", "before_use"),
+    ("torch_uvm_saver._C", "RelocationPlanner", "bring_in"),
+    # PyTorch's calls the paging makes per move or batch (each wrapped where the session and
+    # the model call it alike: the model's own copy_ counts too)
+    ("torch_uvm_saver.lms_session", None, "_byte_view"),
+    ("torch.cuda.streams", "Stream", "wait_stream"),
+    ("torch.cuda.streams", "Stream", "record_event"),
+    ("torch.cuda.streams", "Stream", "wait_event"),
+    ("torch.cuda.streams", "Event", "record"),
+    ("torch.cuda", "StreamContext", "__enter__"),
+    ("torch.cuda", "StreamContext", "__exit__"),
+    ("torch", "UntypedStorage", "resize_"),
+    ("torch", "Tensor", "copy_"),
+    ("torch", "Tensor", "record_stream"),
 )
 
 

@@ -394,3 +394,14 @@ def test_host_speed_table_puts_each_condition_against_the_idle_gpu():
     )
     assert lines[1] == "idle | 42.0 (1.00x) | 30.0 (1.00x) | 8.0 (1.00x) | 0 of 3"
     assert lines[2] == "both | 48.0 (1.14x) | 33.0 (1.10x) | 16.0 (2.00x) | 3 of 3"
+
+
+def test_every_function_the_host_probe_times_is_there_to_time():
+    # A renamed session method would drop out of --probe host without a word: it wraps what it
+    # finds by name.
+    import importlib
+
+    for module_name, owner_name, name in lms_state_split.HOST_TIMED:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        assert callable(getattr(owner, name, None)), f"{module_name}.{owner_name}.{name}"
