@@ -34,31 +34,21 @@ GiB = 1 << 30
 def replay(snapshot: dict, device: int = 0) -> list[dict]:
     """The retries of a recorded stretch, with the allocator's state before each."""
     start = snapshot["start"]
-    reserved = sum(s["total_size"] for s in start["segments"] if s["device"] == device)
-    allocated = pending = 0
+    segments = [s for s in start["segments"] if s["device"] == device]
+    reserved = sum(s["total_size"] for s in segments)
+    # What is mapped, and the blocks in it still live (pending frees included), by address
+    mapped = [(b["address"], b["address"] + b["size"]) for s in segments for b in s["blocks"]]
+    live: dict[int, int] = {}
     pending_blocks: set[int] = set()
-    for segment in start["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] in ("active_allocated", "active_pending_free"):
-                allocated += block["size"]
-            if block["state"] == "active_pending_free":
-                pending += block["size"]
-                pending_blocks.add(block["address"])
+    for block in (b for s in segments for b in s["blocks"]):
+        if block["state"] in ("active_allocated", "active_pending_free"):
+            live[block["address"]] = block["size"]
+        if block["state"] == "active_pending_free":
+            pending_blocks.add(block["address"])
+    allocated = sum(live.values())
+    pending = sum(live[a] for a in pending_blocks)
     # A retry waits for every pending free (free_completed), then unmaps what is cached
     # (segment_unmap), then serves the request (alloc): the state before such a run counts.
-    mapped = [
-        (b["address"], b["address"] + b["size"])
-        for segment in start["segments"]
-        if segment["device"] == device
-        for b in segment["blocks"]
-    ]
-    live = {
-        b["address"]: b["size"]
-        for segment in start["segments"]
-        if segment["device"] == device
-        for b in segment["blocks"]
-        if b["state"] in ("active_allocated", "active_pending_free")
-    }
     retries: list[dict] = []
     run: dict | None = None
     for entry in snapshot["trace"]:
