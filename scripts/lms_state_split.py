@@ -27,8 +27,9 @@ A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --f
 the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a time.
 
 --watch modules and --no-quiet pass watch="modules" and quiet=False to the session;
---no-page-out-ahead turns its planner's paging out ahead off (Note [Paging out ahead]), to
-compare processes of one build with it on and off.
+--no-page-out-ahead turns its planner's paging out ahead off (Note [Paging out ahead]), and
+--clear-autocast-cache empties autocast's cache of weight copies after each module (Note
+[Autocast's cast cache]), to compare processes of one build with each on and off.
 
     python scripts/lms_state_split.py --limit-gib 16.66 --watch modules --rounds 3 \
         --configs "baseline overlap helper,1"   (these configurations in turn, three rounds)
@@ -497,6 +498,7 @@ def run_one(
     prefetch_depth: int | None = None,
     without_session: str = "baseline",
     page_out_ahead: bool = True,
+    clear_autocast_cache: bool = False,
 ) -> dict:
     """One configuration: the state of `share` of the groups on the host under a session, or
     with share None one of WITHOUT_SESSION (`without_session`)."""
@@ -534,6 +536,7 @@ def run_one(
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,
+            clear_autocast_cache=clear_autocast_cache,
         )
         if not page_out_ahead:  # A/B runs of Note [Paging out ahead] on one build
             session._planner.page_out_ahead = False
@@ -695,6 +698,11 @@ def main() -> None:
         help="turn the planner's paging out ahead off (Note [Paging out ahead]), for A/B runs",
     )
     parser.add_argument(
+        "--clear-autocast-cache",
+        action="store_true",
+        help="the session's clear_autocast_cache=True (Note [Autocast's cast cache]), for A/B",
+    )
+    parser.add_argument(
         "--probe",
         choices=PROBES,
         help="then lay out one more step (trace), cProfile one, or sample, time (host) or take "
@@ -733,6 +741,7 @@ def main() -> None:
                 args.regime,
                 args.prefetch_depth,
                 page_out_ahead=not args.no_page_out_ahead,
+                clear_autocast_cache=args.clear_autocast_cache,
             )
         print(MARK + json.dumps(result), flush=True)
         return
@@ -749,6 +758,7 @@ def main() -> None:
             command += ["--one", config, "--watch", args.watch]
             command += ["--no-quiet"] if args.no_quiet else []
             command += ["--no-page-out-ahead"] if args.no_page_out_ahead else []
+            command += ["--clear-autocast-cache"] if args.clear_autocast_cache else []
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--regime", args.regime]
             if args.prefetch_depth is not None:

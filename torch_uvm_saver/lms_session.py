@@ -192,6 +192,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C
+from .autocast_cache import clear_after_each_module
 from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 from .host_state import HostState, is_on_host
 from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
@@ -245,7 +246,10 @@ def lms_session(
     (default: every operator of a watched iteration passes the session's dispatch mode) or
     "modules" (one iteration is watched so, and the ones that repeat it are watched by module
     hooks and autograd's events, which costs the host far less: Note [Watching by events] in
-    lms_events.py says what that assumes).
+    lms_events.py says what that assumes); ``clear_autocast_cache``, whether autocast's cache of
+    low-precision weight copies is emptied after each of ``modules``' modules that owns
+    parameters runs its forward (default False: Note [Autocast's cast cache] in
+    autocast_cache.py says what it frees and why it is off).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -387,6 +391,7 @@ class LmsSession:
         expandable_segments: bool = True,
         optimizer_state: str | list[dict[str, Any]] = "device",
         watch: str = "operators",
+        clear_autocast_cache: bool = False,
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -401,6 +406,9 @@ class LmsSession:
         quiet = _C.check_flag("lms_session", "quiet", quiet)
         expandable_segments = _C.check_flag(
             "lms_session", "expandable_segments", expandable_segments
+        )
+        clear_autocast_cache = _C.check_flag(
+            "lms_session", "clear_autocast_cache", clear_autocast_cache
         )
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
@@ -432,6 +440,7 @@ class LmsSession:
         self._closed = False
         self._quiet_allowed = bool(quiet)
         self._expandable = bool(expandable_segments)
+        self._clear_autocast_cache = bool(clear_autocast_cache)
         self._optimizers = list(optimizers)
         modules = list(modules)
         if isinstance(optimizer_state, str) and optimizer_state == "auto":
@@ -489,6 +498,8 @@ class LmsSession:
         if watch == "modules":
             self._events = EventWatch(self, modules)
             self._handles.extend(self._events.handles)
+        if self._clear_autocast_cache:  # Note [Autocast's cast cache]
+            self._handles.extend(clear_after_each_module(modules, self.device.type))
         if self._cuda:
             if self._expandable_segments_on():
                 self._move_out_of_fixed_segments()

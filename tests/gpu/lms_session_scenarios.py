@@ -29,7 +29,9 @@ def make_model(seed: int = 0):
     return model, torch.optim.AdamW(groups, lr=1e-4)
 
 
-def train(model, optimizer, session=None, steps=4, checkpoint=False, after_backward=None):
+def train(
+    model, optimizer, session=None, steps=4, checkpoint=False, after_backward=None, autocast=False
+):
     import torch
     import torch.utils.checkpoint
 
@@ -39,13 +41,14 @@ def train(model, optimizer, session=None, steps=4, checkpoint=False, after_backw
     losses = []
     for _ in range(steps):
         with session if session is not None else contextlib.nullcontext():
-            h = x
-            for block in model:
-                if checkpoint:
-                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-                else:
-                    h = block(h)
-            loss = torch.nn.functional.mse_loss(h, y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                h = x
+                for block in model:
+                    if checkpoint:
+                        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                    else:
+                        h = block(h)
+                loss = torch.nn.functional.mse_loss(h.float(), y)
             loss.backward()
             if after_backward is not None:
                 after_backward()
@@ -55,14 +58,14 @@ def train(model, optimizer, session=None, steps=4, checkpoint=False, after_backw
     return losses
 
 
-def reference(checkpoint=False, steps=4):
+def reference(checkpoint=False, steps=4, autocast=False):
     """Losses, parameters and peak reserved bytes of the same training without a limit."""
     import torch
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, optimizer = make_model()
-    losses = train(model, optimizer, steps=steps, checkpoint=checkpoint)
+    losses = train(model, optimizer, steps=steps, checkpoint=checkpoint, autocast=autocast)
     peak = torch.cuda.max_memory_reserved()
     params = [p.detach().cpu() for p in model.parameters()]
     del model, optimizer
@@ -70,7 +73,7 @@ def reference(checkpoint=False, steps=4):
     return losses, params, peak
 
 
-def limited(limit: int, checkpoint=False, **options):
+def limited(limit: int, checkpoint=False, autocast=False, **options):
     import torch
 
     import torch_uvm_saver as tus
@@ -79,7 +82,7 @@ def limited(limit: int, checkpoint=False, **options):
     model, optimizer = make_model()
     torch.cuda.reset_peak_memory_stats()
     session = tus.lms_session(limit, [model], [optimizer], **options)
-    losses = train(model, optimizer, session, checkpoint=checkpoint)
+    losses = train(model, optimizer, session, checkpoint=checkpoint, autocast=autocast)
     peak = torch.cuda.max_memory_reserved()
     stats = session.stats()
     session.close()
@@ -128,6 +131,46 @@ def checkpointing_and_session_compose() -> None:
         f"checkpointing alone {expected[2] / MiB:.0f} MiB, with the session "
         f"{got[2] / MiB:.0f} MiB under {limit / MiB:.0f} MiB; {got[3]}"
     )
+    check_same_training(expected, got)
+    assert got[2] <= limit, f"peak {got[2]} bytes over the limit {limit}"
+
+
+@scenario
+def autocast_copies_leave_with_their_module_and_training_stays_bit_for_bit() -> None:
+    # Note [Autocast's cast cache]: with clear_autocast_cache=True a layer's bf16 weight copies
+    # are freed once its forward ends, where autocast alone keeps all of them until the loss.
+    import torch
+    import torch.utils.checkpoint
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
+    def copies_held(**options) -> int:
+        torch.cuda.empty_cache()
+        model, optimizer = make_model()
+        session = tus.lms_session(16 << 30, [model], [optimizer], **options)
+        h = torch.randn(8, WIDTH, device="cuda")
+        with session, torch.autocast("cuda", dtype=torch.bfloat16):
+            before = torch.cuda.memory_allocated()
+            for block in model:  # checkpointed: the blocks save nothing but their inputs
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            held = torch.cuda.memory_allocated() - before
+        session.close()
+        del model, optimizer, h
+        return held
+
+    copy_bytes = LAYERS * WIDTH * WIDTH * 2  # the weights' bf16 copies (biases aside)
+    kept, cleared = copies_held(), copies_held(clear_autocast_cache=True)
+    print(f"held at the forward's end: {kept / MiB:.1f} MiB kept, {cleared / MiB:.1f} cleared")
+    assert kept >= copy_bytes, (kept, copy_bytes)
+    # What stays is the checkpoints' inputs (8 x 2048 each): less than one layer's copy.
+    assert cleared < WIDTH * WIDTH * 2, cleared
+
+    expected = reference(checkpoint=True, autocast=True)
+    plain_peak = reference()[2]
+    limit = plain_peak // 3 + EXPANDABLE_STEP
+    got = limited(limit, checkpoint=True, autocast=True, clear_autocast_cache=True)
+    print(f"autocast and checkpointing under {limit / MiB:.0f} MiB: peak {got[2] / MiB:.0f}")
     check_same_training(expected, got)
     assert got[2] <= limit, f"peak {got[2]} bytes over the limit {limit}"
 

@@ -94,6 +94,7 @@ ROWS: list[Row] = [
     Row("a flag", "tus.region('r', enable_cpu_backup='yes')", TypeError, "region(enable_cpu_backup): expected True or False"),
     Row("a flag", "tus.region('r', mode='managed', read_mostly='yes')", TypeError, "region(read_mostly): expected True or False"),
     Row("a flag", "tus.lms_session(2**30, quiet='no')", TypeError, "lms_session(quiet): expected True or False"),
+    Row("a flag", "tus.lms_session(2**30, clear_autocast_cache=None)", TypeError, "lms_session(clear_autocast_cache): expected True or False, got None"),
     Row("a way of watching", "tus.lms_session(2**30, watch='layers')", InvalidArgumentError, "lms_session: watch must be one of operators, modules, got 'layers'"),
     Row("a share of the limit", "tus.suggest_placement([], [], 2**30, persistent_share=1.5)", InvalidArgumentError, "suggest_placement(persistent_share): expected a share of the limit, 0 < share <= 1, got 1.5"),
     Row("a share of the limit", "tus.suggest_placement([], [], 2**30, persistent_share=float('nan'))", InvalidArgumentError, "suggest_placement(persistent_share): expected a share of the limit, 0 < share <= 1, got nan"),

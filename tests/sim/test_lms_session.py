@@ -2,11 +2,13 @@
 scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
 
 import importlib
+import weakref
 
 import pytest
 import torch
 import torch.utils.checkpoint
 from lms_training import SMALL, assert_trained_alike, make_model, session_for, train
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import errors
@@ -45,6 +47,32 @@ def test_checkpointing_hands_the_session_only_what_it_does_not_recompute():
     plain, checkpointed = saved(False), saved(True)
     assert checkpointed <= 6 + 2
     assert plain > 2 * checkpointed
+
+
+@pytest.mark.parametrize("clear", [True, False], ids=["cleared", "kept"])
+def test_autocast_weight_copies_live_only_through_their_module(clear):
+    # Note [Autocast's cast cache]: one layer read twice in a forward. Autocast alone casts its
+    # weight once and keeps the copy until the block ends; with clear_autocast_cache=True the
+    # copy goes when the layer's forward ends, and the second read casts again (the default
+    # leaves autocast alone).
+    layer = torch.nn.Linear(256, 256)
+    model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
+    copies = []  # weak references to each low-precision copy of the weight made
+
+    class WatchCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0] is layer.weight:
+                copies.append(weakref.ref(out))
+            return out
+
+    session = tus.lms_session(10**9, [model], device="cpu", clear_autocast_cache=clear)
+    # Without gradients nothing saves a copy for the backward: only the cache can hold one.
+    with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WatchCasts():
+        model(torch.randn(4, 256))
+        alive = [copy() is not None for copy in copies]
+    session.close()
+    assert alive == ([False, False] if clear else [True])
 
 
 def test_views_and_storage_offsets_follow_the_storage():

@@ -1,0 +1,64 @@
+"""Autocast's cache of low-precision weight copies, emptied after each module's forward under an
+LMS session.
+
+Note [Autocast's cast cache]
+    Under ``torch.autocast`` an operator that runs in lower precision casts each float32 leaf
+    that requires grad (a weight, a bias) to bf16 or fp16 and keeps the copy in a thread-local
+    cache until the outermost autocast block exits: a weight read twice in one forward is then
+    cast once. A training step's outermost block usually ends after the loss, so every
+    layer's copies stay allocated through the whole forward, and under a limit they crowd the
+    loss out. On GPT-2 medium (bf16 autocast, checkpointing, limit 6.71 GiB, an H200) the
+    copies of all 24 layers held 0.56 GiB at the loss in 96 blocks spread between the
+    forward's other allocations; the loss's 1.53 GiB request found 1.79 GiB free
+    in pieces, the largest 0.39 GiB, and PyTorch's allocator gave its cache back and mapped
+    the request anew (a stream synchronization and 8-12 ms with the device idle).
+
+    With checkpointing the copies buy nothing: the backward recomputes each layer and casts
+    again inside the recomputation's own autocast block. With ``clear_autocast_cache=True`` the
+    session empties the cache each time a module that owns parameters finishes its forward. A
+    copy still in use stays alive through its own references (an input saved for the
+    backward, an output); only the cache's reference goes. The price is a second cast where
+    one module's parameters are read again later in the same forward (shared layers, a loop
+    over time steps): one read and one half-size write of the weight per extra call.
+
+    Measured on H200s (GPT-2 medium, the benchmark's lms-v2-overlap configuration, watched by
+    modules): at 4x the forward's allocator retry went (2 retries a step became 1, the one
+    left in the backward, where three of the loss's 1.53 GiB buffers live at once), but on one
+    machine the steps took as long (0.215-0.225 s against 0.213-0.230 s, three alternating
+    pairs of processes); on another, whose processes scattered by a fifth, 0.215 and 0.249 s
+    against 0.276 and 0.334 s. At 3x, 6 of 8 processes ran out of memory in the forward's
+    cross-entropy in an iteration watched by events, 7.04 GiB allocated under 8.92 GiB; the 3
+    without it beside them trained. Such an iteration cannot page for an operator and run it
+    again (Note [Watching by events] in lms_events.py), and why the memory held at the loss
+    grew there is not known yet. So it is off by default; with ``watch="operators"`` an
+    operator that runs out of memory is paged for and run again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def clear_after_each_module(modules: Iterable[torch.nn.Module], device_type: str) -> list[Any]:
+    """Hooks every module in `modules` (and below) that owns parameters so that autocast's
+    cache is emptied after its forward while autocast is on for `device_type`; the hooks'
+    handles."""
+    is_enabled = torch.is_autocast_enabled
+    clear = torch.clear_autocast_cache
+
+    def after_forward(*_: object) -> None:
+        if is_enabled(device_type):
+            clear()
+
+    handles = []
+    seen: set[int] = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen or next(module.parameters(recurse=False), None) is None:
+                continue
+            seen.add(id(module))
+            handles.append(module.register_forward_hook(after_forward))
+    return handles
