@@ -16,7 +16,11 @@ request that caused it. For each, what the allocator held just before:
   - cached: reserved and free, in pieces none of which took the request (else no retry);
   - the request's size, and the limit's room: fraction - reserved;
   - waited: the pending bytes the retry waited for; released: what it unmapped (free pieces
-    that share a mapped page with a live block stay).
+    that share a mapped page with a live block stay);
+  - made in the step: the live blocks allocated during the recorded step, counted by size
+    (MiB), the largest totals first. Blocks of a few sizes, made all through the forward and
+    still live at the loss, are what split its memory (autocast's weight copies at 4x:
+    Note [Autocast's cast cache] in torch_uvm_saver/autocast_cache.py).
 A retry with cached >= request is fragmentation; one with cached < request <= cached + pending
 waited for copies; one with room left is a pool or stream mismatch. Needs a GPU and transformers
 (not with --from-snapshot).
@@ -27,8 +31,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from collections import Counter
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def replay(snapshot: dict, device: int = 0) -> list[dict]:
@@ -47,6 +53,7 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
             pending_blocks.add(block["address"])
     allocated = sum(live.values())
     pending = sum(live[a] for a in pending_blocks)
+    made: set[int] = set()  # addresses of the blocks allocated during the step
     # A retry waits for every pending free (free_completed), then unmaps what is cached
     # (segment_unmap), then serves the request (alloc): the state before such a run counts.
     retries: list[dict] = []
@@ -59,6 +66,7 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
                 run = {"allocated": allocated, "pending": pending, "reserved": reserved}
                 run.update(released=0, waited=0, unmapped=False)
                 run["largest_free"] = _largest_free_piece(mapped, live)
+                run["made_in_step"] = dict(Counter(round(live[a] / MiB) for a in made if a in live))
         elif action not in ("alloc", "segment_map", "segment_alloc"):
             run = None
         if action in ("segment_unmap", "segment_free"):
@@ -86,6 +94,7 @@ def replay(snapshot: dict, device: int = 0) -> list[dict]:
             run = None
             allocated += size
             live[addr] = size
+            made.add(addr)
     return retries
 
 
@@ -155,6 +164,12 @@ def report(snapshot: dict) -> None:
             f"{r['pending'] / GiB:7.2f} | {cached / GiB:13.2f} | "
             f"{r['largest_free'] / GiB:18.3f} | {room / GiB:4.2f} | "
             f"{r['waited'] / GiB:6.2f} | {r['released'] / GiB:8.2f} | {cause}"
+        )
+    for number, r in enumerate(retries, 1):
+        by_total = sorted(r["made_in_step"].items(), key=lambda item: -item[0] * item[1])
+        print(
+            f"retry {number}: live blocks made in the step, MiB x count: "
+            + ", ".join(f"{mib or '<1'} x{count}" for mib, count in by_total)
         )
 
 

@@ -27,6 +27,10 @@ import thread_cpu  # noqa: E402
 
 GiB = 1 << 30
 KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
+KEPT_H200 = ROOT / "benchmarks/results/lms_allocator_retries_4x_helper_NVIDIA_H200.json.gz"
+KEPT_CLEARED = (
+    ROOT / "benchmarks/results/lms_allocator_retries_4x_autocast_cleared_NVIDIA_H200.json.gz"
+)
 PLANNER_LOG = ROOT / "benchmarks/results/lms_planner_log_xl_2x_NVIDIA_H100_80GB_HBM3.json.gz"
 PLANNER_LOG_AHEAD = (
     ROOT / "benchmarks/results/lms_planner_log_xl_2x_paging_ahead_NVIDIA_H200.json.gz"
@@ -68,6 +72,7 @@ def test_a_retry_is_the_state_before_its_waits_and_unmaps():
             "unmapped": True,
             "request": 5 * GiB,
             "largest_free": 4 * GiB,  # the pending block still counts as live
+            "made_in_step": {},  # the live block was there before the step
         }
     ]
 
@@ -106,6 +111,27 @@ def test_the_kept_h100_step_retries_three_times_all_with_memory_free_in_pieces(c
     assert [round(r["largest_free"] / GiB, 3) for r in retries] == [0.648, 0.777, 0.078]
     lms_allocator_retries.report(kept)
     assert capsys.readouterr().out.count("fragmentation: free in pieces") == 3
+
+
+def test_autocasts_weight_copies_are_what_split_the_forwards_loss_at_4x(capsys):
+    # Note [Autocast's cast cache]: at the forward's retry the bf16 copies of GPT-2 medium's 24
+    # layers (2, 6, 8 and 8 MiB each) are live; with the cache emptied after each module the
+    # forward's retry is gone and the one left, in the backward, holds none of them.
+    import gzip
+    import json
+
+    def kept(path):
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+
+    kept_copies, cleared = kept(KEPT_H200), kept(KEPT_CLEARED)
+    forward = lms_allocator_retries.replay(kept_copies)[0]["made_in_step"]
+    assert (forward[2], forward[6], forward[8]) == (24, 24, 48)
+    [backward] = lms_allocator_retries.replay(cleared)
+    assert not {2, 6, 8} & set(backward["made_in_step"])
+    assert backward["made_in_step"][1571] == 2  # two of the loss's buffers, a third asked for
+    lms_allocator_retries.report(cleared)
+    assert "retry 1: live blocks made in the step, MiB x count: 1571 x2" in capsys.readouterr().out
 
 
 @pytest.fixture
