@@ -26,12 +26,21 @@ Note [Autocast's cast cache]
     left in the backward, where three of the loss's 1.53 GiB buffers live at once), but on one
     machine the steps took as long (0.215-0.225 s against 0.213-0.230 s, three alternating
     pairs of processes); on another, whose processes scattered by a fifth, 0.215 and 0.249 s
-    against 0.276 and 0.334 s. At 3x, 6 of 8 processes ran out of memory in the forward's
-    cross-entropy in an iteration watched by events, 7.04 GiB allocated under 8.92 GiB; the 3
-    without it beside them trained. Such an iteration cannot page for an operator and run it
-    again (Note [Watching by events] in lms_events.py), and why the memory held at the loss
-    grew there is not known yet. So it is off by default; with ``watch="operators"`` an
-    operator that runs out of memory is paged for and run again.
+    against 0.276 and 0.334 s. At 3x, 8 of 10 processes with it ran out of memory in the
+    forward's cross-entropy in an iteration watched by events; the 4 without it beside them
+    trained. A probe at the end of the output layer's forward (one H200) says why. Without it,
+    the recorded iteration held 6.26 GiB there (4.86 of them the session's), its loss ran out
+    of memory, and the planner capped its budget at that position: 3.32 GiB, so the
+    iterations watched by events held 4.71 GiB there and trained. With it, the recorded
+    iteration held 5.70 GiB, its loss's two 1.53 GiB buffers fitted (8.77 GiB against the
+    8.92 PyTorch checks) and the budget there stayed at 4.86 GiB; the iteration watched by
+    events after it held 5.50 GiB with 8.15 GiB mapped, and the loss's second buffer found
+    7.04 GiB allocated and 0.40 GiB that PyTorch could not give back (free pieces in pages
+    that live blocks share). Such an iteration cannot page for an operator and run it again
+    (Note [Watching by events] in lms_events.py). Freeing the copies took away the
+    out-of-memory error that taught the planner its margin at the loss; until a recorded
+    iteration also learns from a near miss, the option is off by default. With
+    ``watch="operators"`` an operator that runs out of memory is paged for and run again.
 """
 
 from __future__ import annotations
