@@ -9,9 +9,9 @@ Note [Autocast's cast cache]
     layer's copies stay allocated through the whole forward, and under a limit they crowd the
     loss out. On GPT-2 medium (bf16 autocast, checkpointing, limit 6.71 GiB, an H200) the
     copies of all 24 layers held 0.56 GiB at the loss in 96 blocks spread between the
-    forward's other allocations; the loss's 1.53 GiB request found 1.79 GiB free
-    in pieces, the largest 0.39 GiB, and PyTorch's allocator gave its cache back and mapped
-    the request anew (a stream synchronization and 8-12 ms with the device idle).
+    forward's other allocations; the loss's 1.53 GiB request found 1.79 GiB free in pieces,
+    the largest 0.39 GiB, and PyTorch's allocator gave its cache back and mapped the request
+    anew (a stream synchronization and 8-12 ms with the device idle).
 
     With checkpointing the copies buy nothing: the backward recomputes each layer and casts
     again inside the recomputation's own autocast block. With ``clear_autocast_cache=True`` the
