@@ -20,7 +20,10 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         thread's CPU time a step over --steps more steps, scripts/thread_cpu.py; --probe
         retries: one more step recorded with PyTorch's memory history, its allocator retries
         laid out as scripts/lms_allocator_retries.py does, the recording written to the file
-        SPLIT_RETRIES names (default retries.json.gz) for its --from-snapshot)
+        SPLIT_RETRIES names (default retries.json.gz) for its --from-snapshot; --probe
+        residency: at the end of the output layer's forward in every iteration, warm-up
+        included, how the session watched it, its resident bytes and the budget there, and
+        PyTorch's allocated and reserved bytes: residency_line())
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
@@ -75,6 +78,7 @@ PROBES = (
     "host",
     "threads",
     "retries",
+    "residency",
 )
 # --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
 # parameter groups) stepping after the backward (groups); and stepping in it (overlap:
@@ -485,6 +489,21 @@ def print_host_times(one, steps: int) -> None:
         )
 
 
+def residency_line(session, allocated: int, reserved: int) -> str:
+    """How the session watches this iteration (operators, or by events: record, act,
+    deviated), the bytes its storages hold on the device and its planner's budget at this
+    position (caps learned from running out of memory lower it), and PyTorch's `allocated` and
+    `reserved` bytes, in GiB."""
+    events = session._events
+    planner = session._planner
+    return (
+        f"RESIDENCY watch={'operators' if events is None else events.mode} "
+        f"resident={planner.counters()['resident_bytes'] / GiB:.2f} "
+        f"budget_here={planner.budget_at(planner.position) / GiB:.2f} "
+        f"allocated={allocated / GiB:.2f} reserved={reserved / GiB:.2f}"
+    )
+
+
 def run_one(
     limit: int,
     share: str | None,
@@ -545,6 +564,15 @@ def run_one(
     torch.cuda.reset_peak_memory_stats()
 
     queued: list[float] = []
+    if probe == "residency" and session is not None:
+        model.lm_head.register_forward_hook(
+            lambda *_: print(
+                residency_line(
+                    session, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+                ),
+                flush=True,
+            )
+        )
 
     def one() -> float:
         with session if session is not None else contextlib.nullcontext():

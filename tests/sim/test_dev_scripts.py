@@ -339,6 +339,35 @@ def process(step_s: float, lag_s: float, losses: list[float], **extra) -> dict:
     }
 
 
+@pytest.mark.parametrize("watch", ["operators", "modules"])
+def test_the_residency_line_says_how_an_iteration_is_watched_and_what_it_holds(watch):
+    import torch_uvm_saver as tus
+
+    session = tus.lms_session(8 * GiB, device="cpu", budget=4 * GiB, watch=watch)
+    line = lms_state_split.residency_line(session, 3 * GiB, 5 * GiB)
+    session.close()
+    how = "operators" if watch == "operators" else "off"  # no iteration has begun
+    assert line == (
+        f"RESIDENCY watch={how} resident=0.00 budget_here=4.00 allocated=3.00 reserved=5.00"
+    )
+
+
+def test_the_residency_probe_follows_a_session_from_recording_to_acting_on_events():
+    sys.path.insert(0, str(ROOT / "tests" / "sim"))
+    from lms_training import make_model, session_for, train
+
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="modules")
+    lines = []
+    model[-1].register_forward_hook(
+        lambda *_: lines.append(lms_state_split.residency_line(session, 0, 0))
+    )
+    train(model, optimizer, session, steps=4)
+    session.close()
+    # AdamW makes its state in the first iteration, so the second is recorded again.
+    assert [line.split()[1] for line in lines] == ["watch=record"] * 2 + ["watch=act"] * 2
+
+
 def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(capsys):
     staged = {"host_gib": 9.16, "staged_gb": 19.7}
     results = {
