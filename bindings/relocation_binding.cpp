@@ -75,6 +75,7 @@ void bind_relocation(py::module_& module) {
           py::arg("ids"), "Like before_use for a view: pages in, reads nothing.")
       .def("make_room", &Planner::make_room, py::arg("nbytes"), py::arg("keep"))
       .def("prefetch_failed", &Planner::prefetch_failed, py::arg("id"))
+      .def("cap_here", &Planner::cap_here, py::arg("nbytes"))
       .def("evict_all", &Planner::evict_all, py::arg("keep"))
       .def("bring_all_in", &Planner::bring_all_in)
       .def("end_iteration", &Planner::end_iteration)

@@ -183,6 +183,11 @@ class EventWatch:
         return self.mode is not OFF
 
     @property
+    def recording(self) -> bool:
+        """Whether this iteration is being recorded, every operator watched."""
+        return self.mode is RECORD
+
+    @property
     def acting(self) -> bool:
         """Whether this iteration runs on the record, its operators unwatched."""
         return self.mode is ACT

@@ -327,6 +327,11 @@ std::vector<RelocationPlanner::BlockId> RelocationPlanner::make_room(
   return victims;
 }
 
+void RelocationPlanner::cap_here(std::size_t bytes) {
+  const auto [it, added] = caps_.emplace(position_, bytes);
+  if (!added) it->second = std::min(it->second, bytes);
+}
+
 void RelocationPlanner::prefetch_failed(BlockId id) {
   Block& block = blocks_.at(id);
   if (block.out) return;

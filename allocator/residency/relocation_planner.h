@@ -146,6 +146,10 @@ class RelocationPlanner {
   // A prefetch the plan named could not get device memory: the block is out again, and the
   // resident bytes are capped at this position (what fitted) from now on.
   void prefetch_failed(BlockId id);
+  // A near miss at this position (the operator ran, but what the process held came within a
+  // margin of the limit): the resident bytes are capped at `bytes` here from now on, as
+  // make_room caps them, and nothing pages out now.
+  void cap_here(std::size_t bytes);
   // Every block that is out, marked resident (the session pages them all in).
   std::vector<BlockId> bring_all_in();
   // The iteration's trace becomes the one the next iteration plans with.

@@ -60,6 +60,39 @@ def test_repeated_iterations_are_watched_by_events_and_train_bit_for_bit(checkpo
     assert all(count > 0 for count in pages[2:])
 
 
+def test_a_near_miss_in_the_recorded_iteration_makes_the_next_ones_keep_a_margin_there():
+    # Note [Near misses]: PyTorch's allocated bytes are faked to pass limit - limit / 16 once,
+    # right after the last block of each recorded iteration (where a loss's buffers would be).
+    def run(near_miss):
+        model, optimizer = make_model()
+        session = session_for(model, optimizer, watch="modules")
+        over = []
+        session._allocated = lambda: session.limit if over and over.pop() else 0
+        resident = []  # the session's resident bytes as the last block ends, each iteration
+
+        def after_last_block(*_):
+            resident.append(session._planner.counters()["resident_bytes"])
+            if near_miss:
+                over.append(True)
+
+        model[-1].register_forward_hook(after_last_block)
+        losses = train(model, optimizer, session, steps=5)
+        stats = session.stats()
+        session.close()
+        return losses, list(model.parameters()), resident, stats
+
+    reference = run(near_miss=False)
+    got = run(near_miss=True)
+    assert_trained_alike(got[0], got[1], reference[0], reference[1])
+    stats = got[3]
+    assert stats["near_misses"] == 2 and reference[3]["near_misses"] == 0  # two recordings
+    assert stats["capped_positions"] == reference[3]["capped_positions"] + 1
+    assert stats["event_iterations"] == 3 and stats["event_deviations"] == 0
+    # Watched by events, each iteration holds less there: the margin the near miss asked for.
+    assert all(mine < theirs for mine, theirs in zip(got[2][2:], reference[2][2:]))
+    assert got[2][:2] == reference[2][:2]  # the recorded ones paged as before
+
+
 def test_events_page_as_much_as_operators_do():
     def moved(watch):
         model, optimizer = make_model()

@@ -203,6 +203,24 @@ def test_make_room_evicts_and_caps_that_position_from_then_on():
     assert p.budget_at(5) == 10 * KB
 
 
+def test_a_near_miss_caps_its_position_for_the_next_iterations_and_pages_nothing_now():
+    # Note [Near misses] in lms_session.py: the operator at position 4 ran, by a little.
+    p = planner(10 * KB, depth=2)
+    for block in (1, 2, 3):
+        p.add(block, 3 * KB, True)
+    for ids in ([1], [2], [3], [3]):
+        p.before_use(ids)
+    p.cap_here(5 * KB)
+    assert p.resident_bytes == 9 * KB and p.counters()["pageout_count"] == 0
+    assert p.counters()["capped_positions"] == 1 and p.counters()["oom_events"] == 0
+    p.cap_here(7 * KB)  # a second near miss there keeps the lower cap
+    assert p.budget_at(4) == 5 * KB and p.budget_at(5) == 10 * KB
+    p.end_iteration()
+    p.before_use([1])
+    p.before_use([2])
+    assert p.resident_bytes <= 5 * KB  # paged out ahead of position 4, as after make_room
+
+
 def test_make_room_that_cannot_free_enough_caps_only_its_position():
     p = planner(10 * KB)
     p.add(1, 3 * KB, True)
