@@ -39,6 +39,11 @@ Note [Staging the state on the host]
     a group whole made the allocator wait on the host for a free 512 MiB block (a
     ``cudaEventSynchronize`` each group step); the rest of the difference was not found.
 
+    A step queues its copies in, and its copies out, with one ``torch._foreach_copy_`` each
+    rather than a ``copy_`` per tensor: on one H200 (GPT-2 XL at 2x, the helper's placement,
+    960 staged tensors a step, two rounds of alternating processes) 0.302 and 0.302 s a
+    step against 0.332 and 0.312 s (0.94x).
+
     On a CPU device (the simulated driver's tests) the host copy is an ordinary tensor and
     staging copies it to a second one: the same bookkeeping with no link.
 """
@@ -161,8 +166,10 @@ class HostState:
             self.staging_fallbacks += 1
             self.in_place_steps += 1
             return
+        # One call queues every copy (the host's time per staged tensor is what XL's step waits
+        # for: Note [Staging the state on the host]).
+        torch._foreach_copy_(copies, [placed.host for _, _, placed in found], non_blocking=True)
         for copy, (state, key, placed) in zip(copies, found):
-            copy.copy_(placed.host, non_blocking=True)
             state[key] = copy
             self._staged.append((state, key, placed))
             self._staged_pointers.add(copy.untyped_storage().data_ptr())
@@ -208,9 +215,10 @@ class HostState:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._staged_on is not None and stream != self._staged_on:
             stream.wait_stream(self._staged_on)  # a step that raised, on another stream
-        for state, key, placed in staged:
-            copy = state[key]
-            placed.host.copy_(copy, non_blocking=True)
+        copies = [state[key] for state, key, _ in staged]
+        if copies:
+            torch._foreach_copy_([p.host for _, _, p in staged], copies, non_blocking=True)
+        for copy, (state, key, placed) in zip(copies, staged):
             state[key] = placed.view
             if stream is not None:
                 copy.record_stream(stream)  # reused once the copy out has read it
