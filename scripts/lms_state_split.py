@@ -32,7 +32,9 @@ the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a
 --watch modules and --no-quiet pass watch="modules" and quiet=False to the session;
 --no-page-out-ahead turns its planner's paging out ahead off (Note [Paging out ahead]), and
 --clear-autocast-cache empties autocast's cache of weight copies after each module (Note
-[Autocast's cast cache]), to compare processes of one build with each on and off.
+[Autocast's cast cache]), to compare processes of one build with each on and off. A
+configuration may also carry switches of its own (SWITCHES), so one --configs call alternates
+them: "helper,1+clear helper,1+clear+nomiss".
 
     python scripts/lms_state_split.py --limit-gib 16.66 --watch modules --rounds 3 \
         --configs "baseline overlap helper,1"   (these configurations in turn, three rounds)
@@ -98,7 +100,14 @@ COUNTED = (  # the session's counters reported per step
     "over_budget_uses",
     "event_iterations",
     "event_deviations",
+    "near_misses",
 )
+# A configuration may end in switches for A/B runs on one build ("helper,1+clear+nomiss"):
+# clear empties autocast's cache after each module (Note [Autocast's cast cache]); nomiss turns
+# the caps that recorded iterations learn from near misses off (Note [Near misses]); inplace
+# makes every optimizer step read the host's state in place instead of staging it (Note
+# [Staging the state on the host]).
+SWITCHES = ("clear", "nomiss", "inplace")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -518,6 +527,7 @@ def run_one(
     without_session: str = "baseline",
     page_out_ahead: bool = True,
     clear_autocast_cache: bool = False,
+    switches: frozenset[str] = frozenset(),
 ) -> dict:
     """One configuration: the state of `share` of the groups on the host under a session, or
     with share None one of WITHOUT_SESSION (`without_session`)."""
@@ -555,8 +565,12 @@ def run_one(
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,
-            clear_autocast_cache=clear_autocast_cache,
+            clear_autocast_cache=clear_autocast_cache or "clear" in switches,
         )
+        if "nomiss" in switches:
+            session._check_margin = lambda: None
+        if "inplace" in switches:
+            session._host_state.staging_bytes = 0
         if not page_out_ahead:  # A/B runs of Note [Paging out ahead] on one build
             session._planner.page_out_ahead = False
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
@@ -716,7 +730,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--one",
-        help='one configuration only: "share,free", or one of ' + ", ".join(WITHOUT_SESSION),
+        help='one configuration only: "share,free" (then +switch for each of '
+        + ", ".join(SWITCHES)
+        + " to turn on), or one of "
+        + ", ".join(WITHOUT_SESSION),
     )
     parser.add_argument("--watch", default="operators", help="the session's watch option")
     parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
@@ -756,7 +773,11 @@ def main() -> None:
                 without_session=args.one,
             )
         else:
-            share, free = args.one.split(",")
+            config, *switches = args.one.split("+")
+            unknown = set(switches) - set(SWITCHES)
+            if unknown:
+                parser.error(f"unknown switch {sorted(unknown)} in --one; known: {SWITCHES}")
+            share, free = config.split(",")
             result = run_one(
                 limit,
                 share,
@@ -770,6 +791,7 @@ def main() -> None:
                 args.prefetch_depth,
                 page_out_ahead=not args.no_page_out_ahead,
                 clear_autocast_cache=args.clear_autocast_cache,
+                switches=frozenset(switches),
             )
         print(MARK + json.dumps(result), flush=True)
         return

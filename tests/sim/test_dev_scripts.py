@@ -437,6 +437,29 @@ def test_rounds_forward_the_probe_and_print_each_process_output_under_its_result
     assert "0.25,1 | failed (2 of 2)" in printed
 
 
+def test_a_configuration_carries_its_own_switches_and_an_unknown_one_is_refused(
+    monkeypatch, capsys
+):
+    calls = []
+
+    def fake_run_one(limit, share, free, *args, **kwargs):
+        calls.append((share, free, kwargs["switches"]))
+        return {"step_s": 0.2}
+
+    monkeypatch.setattr(lms_state_split, "run_one", fake_run_one)
+    argv = ["lms_state_split.py", "--limit-gib", "8.94", "--one", "helper,1+clear+nomiss"]
+    monkeypatch.setattr(sys, "argv", argv)
+    lms_state_split.main()
+    assert calls == [("helper", True, frozenset({"clear", "nomiss"}))]
+    assert 'SPLIT {"step_s": 0.2}' in capsys.readouterr().out
+
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "0.4,0+inplace+fast"])
+    with pytest.raises(SystemExit):
+        lms_state_split.main()
+    assert "unknown switch ['fast']" in capsys.readouterr().err
+    assert len(calls) == 1  # nothing ran
+
+
 def test_host_speed_table_puts_each_condition_against_the_idle_gpu():
     results = {
         "idle": {"python": [0.040, 0.042, 0.060], "launches": [0.030] * 3, "memory": [0.008] * 3},
