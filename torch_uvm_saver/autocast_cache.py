@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from .module_walk import each_module_once
+
 
 def clear_after_each_module(modules: Iterable[torch.nn.Module], device_type: str) -> list[Any]:
     """Hooks every module in `modules` (and below) that owns parameters so that autocast's
@@ -66,12 +68,8 @@ def clear_after_each_module(modules: Iterable[torch.nn.Module], device_type: str
         if is_enabled(device_type):
             clear()
 
-    handles = []
-    seen: set[int] = set()
-    for root in modules:
-        for module in root.modules():
-            if id(module) in seen or next(module.parameters(recurse=False), None) is None:
-                continue
-            seen.add(id(module))
-            handles.append(module.register_forward_hook(after_forward))
-    return handles
+    return [
+        module.register_forward_hook(after_forward)
+        for module in each_module_once(modules)
+        if next(module.parameters(recurse=False), None) is not None
+    ]

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import InvalidStateError
+from .module_walk import each_module_once
 
 if TYPE_CHECKING:
     from .lms_session import LmsSession
@@ -158,15 +159,10 @@ class EventWatch:
         self.iterations_acted = 0
         self.recordings = 0
         self.deviations = 0
-        seen: dict[int, int] = {}  # id(module) -> its index, a module shared by two counted once
         self.handles: list[Any] = []
-        for module in modules:
-            for sub in module.modules():
-                if id(sub) in seen:
-                    continue
-                index = seen[id(sub)] = len(seen)
-                self.handles.append(sub.register_forward_pre_hook(self._hook(("pre", index))))
-                self.handles.append(sub.register_forward_hook(self._hook(("post", index))))
+        for index, sub in enumerate(each_module_once(modules)):
+            self.handles.append(sub.register_forward_pre_hook(self._hook(("pre", index))))
+            self.handles.append(sub.register_forward_hook(self._hook(("post", index))))
 
     def _hook(self, signature: tuple) -> Any:
         def hook(*_: object) -> None:

@@ -66,6 +66,7 @@ import torch
 
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError
+from .module_walk import each_module_once
 
 __all__ = ["StepInBackward", "step_in_backward"]
 
@@ -167,23 +168,16 @@ class StepInBackward:
         return modules
 
     def _watch(self, modules: list[torch.nn.Module]) -> None:
-        seen: set[int] = set()
-        for module in modules:
-            for sub in module.modules():
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                groups = sorted(
-                    {
-                        self._group_of[id(p)]
-                        for p in sub.parameters(recurse=False)
-                        if id(p) in self._group_of
-                    }
-                )
-                if groups:
-                    self._handles.append(
-                        sub.register_forward_pre_hook(self._forward_waits_for(groups))
-                    )
+        for sub in each_module_once(modules):
+            groups = sorted(
+                {
+                    self._group_of[id(p)]
+                    for p in sub.parameters(recurse=False)
+                    if id(p) in self._group_of
+                }
+            )
+            if groups:
+                self._handles.append(sub.register_forward_pre_hook(self._forward_waits_for(groups)))
 
     def _forward_waits_for(self, groups: list[int]) -> Any:
         def hook(*_: object) -> None:
