@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from .stream_handover import Handover, switched
+
 __all__ = ["HostState", "is_on_host"]
 
 # Data pointers of the host copies every HostState made (removed as each copy dies).
@@ -101,6 +103,8 @@ class HostState:
         self._staged_on: torch.cuda.Stream | None = None
         self._staged_pointers: set[int] = set()
         self._last_out: torch.cuda.Event | None = None
+        # Note [Stream hand-overs] in stream_handover.py
+        self._handover = Handover() if device.type == "cuda" else None
 
     def stats(self) -> dict[str, int]:
         """The session's ``host_*`` counters."""
@@ -192,8 +196,8 @@ class HostState:
                 return [_device_copy(v) for v in views]
             compute = torch.cuda.default_stream(self.device)
             if stream != compute:
-                stream.wait_stream(compute)
-            with torch.cuda.stream(compute):
+                self._handover.wait_for(stream, compute)
+            with switched(compute, stream):
                 return [_device_copy(v) for v in views]
         except torch.OutOfMemoryError:
             return None
@@ -214,7 +218,7 @@ class HostState:
         self._staged_pointers.clear()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._staged_on is not None and stream != self._staged_on:
-            stream.wait_stream(self._staged_on)  # a step that raised, on another stream
+            self._handover.wait_for(stream, self._staged_on)  # a step that raised on another stream
         copies = [state[key] for state, key, _ in staged]
         if copies:
             torch._foreach_copy_([p.host for _, _, p in staged], copies, non_blocking=True)

@@ -219,6 +219,7 @@ from .lms import _is_view  # one cache of which operators are views, shared with
 from .lms_events import UNPACK, WATCH_MODES, EventWatch
 from .segment_move import byte_view as _byte_view
 from .segment_move import in_fixed_segments, move_into_expandable_segments
+from .stream_handover import Handover, switched
 
 __all__ = ["LmsSession", "lms_session", "suggest_placement"]
 
@@ -237,8 +238,6 @@ OOM_RETRIES = 16  # each frees twice as much as the last; none once nothing is l
 # segments the fraction is set that much below the limit, so the limit holds as stated.
 EXPANDABLE_STEP = 20 * MiB
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
-_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
-_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 _ALLOCATION = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -493,9 +492,7 @@ class LmsSession:
             self._compute_stream = torch.cuda.default_stream(self.device)
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
-            # One event, recorded again for each hand-over between streams: a wait already
-            # queued keeps the record it was queued behind (wait_stream makes a new event).
-            self._handover = torch.cuda.Event()
+            self._handover = Handover()  # Note [Stream hand-overs] in stream_handover.py
         self._events: EventWatch | None = None
         try:
             self._open(modules, watch)
@@ -1025,13 +1022,13 @@ class LmsSession:
             return
         stream = self._out_stream
         current = self._current_stream()
-        self._wait_for(stream, current)
+        self._handover.wait_for(stream, current)
         others = self._other_streams(current)
         for other in others:  # Note [Other streams]
-            self._wait_for(stream, other)
+            self._handover.wait_for(stream, other)
         copied: list[_Entry] = []
         try:
-            with self._stream(stream, current):
+            with switched(stream, current):
                 for block in blocks:
                     if self._page_out_one(block, stream, others):
                         copied.append(self._entries[block])
@@ -1169,8 +1166,8 @@ class LmsSession:
             return
         stream = self._in_stream
         current = self._current_stream()
-        self._wait_for(stream, current)
-        with self._stream(stream, current):
+        self._handover.wait_for(stream, current)
+        with switched(stream, current):
             for block, entry, storage in ready:
                 if entry.out_event is not None:  # kept: a clean page-out copies nothing new
                     stream.wait_event(entry.out_event)
@@ -1249,28 +1246,14 @@ class LmsSession:
         if current is None or current == self._compute_stream:
             storage.resize_(nbytes)
             return
-        with torch.cuda.stream(self._compute_stream):
+        with switched(self._compute_stream, current):
             storage.resize_(nbytes)
         _byte_view(storage).record_stream(current)  # freed for reuse once it is past it
         # The block's last tenant on the compute stream is done before the side stream writes.
-        current.wait_stream(self._compute_stream)
+        self._handover.wait_for(current, self._compute_stream)
 
     def _own_operators(self) -> _Busy:
         return _Busy(self)
-
-    def _wait_for(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
-        """waiter.wait_stream(stream): 5 us instead of 11 (H200), with no new event each time."""
-        self._handover.record(stream)
-        waiter.wait_event(self._handover)
-
-    def _stream(self, stream: torch.cuda.Stream, current: torch.cuda.Stream) -> Any:
-        """torch.cuda.stream(stream), entered and left from `current`. While the session's
-        device is the current one, setting the raw stream is all it takes: 3 us a batch of
-        copies instead of 17 (H200), most of it the context's own lookups of the current
-        device and stream."""
-        if _SET_STREAM is None or _CURRENT_DEVICE() != self.device.index:
-            return torch.cuda.stream(stream)
-        return _SwitchStream(stream, current)
 
     def _current_stream(self) -> torch.cuda.Stream:
         """torch.cuda.current_stream(device), without its tens of microseconds of argument
@@ -1344,31 +1327,6 @@ class LmsSession:
             out.add(block)
         self._planner.evict_all([block for block in self._entries if block not in out])
         self._out |= out
-
-
-class _SwitchStream:
-    """Makes `stream` the current one of its device, and `back` again after (the device is the
-    current one: LmsSession._stream)."""
-
-    __slots__ = ("back", "stream")
-
-    def __init__(self, stream: torch.cuda.Stream, back: torch.cuda.Stream) -> None:
-        self.stream = stream
-        self.back = back
-
-    def __enter__(self) -> None:
-        stream = self.stream
-        _SET_STREAM(
-            stream_id=stream.stream_id,
-            device_index=stream.device_index,
-            device_type=stream.device_type,
-        )
-
-    def __exit__(self, *_: object) -> None:
-        back = self.back
-        _SET_STREAM(
-            stream_id=back.stream_id, device_index=back.device_index, device_type=back.device_type
-        )
 
 
 class _Busy:

@@ -67,6 +67,7 @@ import torch
 from . import _C
 from .errors import InvalidArgumentError, InvalidStateError
 from .module_walk import each_module_once
+from .stream_handover import Handover, switched
 
 __all__ = ["StepInBackward", "step_in_backward"]
 
@@ -126,6 +127,7 @@ class StepInBackward:
         self.device = devices.pop() if devices else torch.device("cpu")
         if self.device.type == "cuda":
             self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+            self._handover = Handover()  # Note [Stream hand-overs] in stream_handover.py
         elif stream is not None:
             raise InvalidArgumentError("step_in_backward: a stream needs parameters on a GPU")
         else:
@@ -232,8 +234,9 @@ class StepInBackward:
         if lane is None:
             self._step_only([self._groups[group]])
         else:
-            lane.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(lane):
+            current = torch.cuda.current_stream(self.device)
+            self._handover.wait_for(lane, current)
+            with switched(lane, current):
                 self._step_only([self._groups[group]])
             if self._lazy:
                 self._pending[group] = lane.record_event()
@@ -319,6 +322,5 @@ class StepInBackward:
         self._pending.clear()
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
-            for lane in self._link_streams:
-                current.wait_stream(lane)
+            for lane in (self.stream, *self._link_streams):
+                self._handover.wait_for(current, lane)

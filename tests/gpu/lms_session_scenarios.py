@@ -673,6 +673,36 @@ def the_cuda_malloc_async_backend_is_refused_at_open() -> None:
     assert "REFUSED:" in result.stdout and "TRAINED" in result.stdout, output
 
 
+@scenario
+def stream_hand_overs_order_the_work_and_put_the_current_stream_back() -> None:
+    """Note [Stream hand-overs]: one reused event orders each hand-over, and a switch of the
+    current stream is undone on leaving, an exception included."""
+    import torch
+
+    from torch_uvm_saver.stream_handover import Handover, switched
+
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    handover = Handover()
+    x = torch.zeros(MiB, device="cuda")
+    seen = []
+    for value in (1.0, 2.0):  # the same event, recorded again for the second hand-over
+        torch.cuda._sleep(50_000_000)  # the main stream's fill lands about 25 ms from now
+        x.fill_(value)
+        handover.wait_for(side, main)
+        with switched(side, main):
+            assert torch.cuda.current_stream() == side
+            seen.append(x.clone())  # queued on the side stream, behind the fill
+        assert torch.cuda.current_stream() == main
+    torch.cuda.synchronize()
+    assert [float(copy.min()) for copy in seen] == [1.0, 2.0]
+    assert [float(copy.max()) for copy in seen] == [1.0, 2.0]
+
+    with contextlib.suppress(RuntimeError), switched(side, main):
+        raise RuntimeError("a step that raises on the side stream")
+    assert torch.cuda.current_stream() == main
+
+
 def _sleep_on(stream) -> None:
     import torch
 
