@@ -184,12 +184,18 @@ def test_prefetch_waste_is_counted_when_evicted_before_its_read():
     assert p.counters()["prefetch_wasted"] == 1
 
 
-def test_make_room_evicts_and_caps_that_position_from_then_on():
+def three_blocks_read_up_to_position_4():
+    """10 KB of budget, three 3 KB blocks resident, the fourth operator (reading 3) just run."""
     p = planner(10 * KB, depth=2)
     for block in (1, 2, 3):
         p.add(block, 3 * KB, True)
     for ids in ([1], [2], [3], [3]):
         p.before_use(ids)
+    return p
+
+
+def test_make_room_evicts_and_caps_that_position_from_then_on():
+    p = three_blocks_read_up_to_position_4()
     victims = p.make_room(4 * KB, [3])  # the operator at position 4 ran out of memory
     assert len(victims) == 2 and 3 not in victims
     assert p.counters()["oom_events"] == 1 and p.counters()["capped_positions"] == 1
@@ -205,11 +211,7 @@ def test_make_room_evicts_and_caps_that_position_from_then_on():
 
 def test_a_near_miss_caps_its_position_for_the_next_iterations_and_pages_nothing_now():
     # Note [Near misses] in lms_session.py: the operator at position 4 ran, by a little.
-    p = planner(10 * KB, depth=2)
-    for block in (1, 2, 3):
-        p.add(block, 3 * KB, True)
-    for ids in ([1], [2], [3], [3]):
-        p.before_use(ids)
+    p = three_blocks_read_up_to_position_4()
     p.cap_here(5 * KB)
     assert p.resident_bytes == 9 * KB and p.counters()["pageout_count"] == 0
     assert p.counters()["capped_positions"] == 1 and p.counters()["oom_events"] == 0
