@@ -77,8 +77,8 @@ Note [Near misses]
     reads PyTorch's allocated bytes after each operator; where they pass ``limit - limit /
     16`` it caps its storages' resident bytes at that position by the excess, as an
     out-of-memory error would have, and pages nothing now (``near_misses`` in stats()
-    counts them). Reading the bytes costs tens of microseconds an operator, in the recorded
-    iterations only. Measured on one H200 (GPT-2 medium at 3x, autocast's cache emptied,
+    counts them). It costs one read of PyTorch's memory statistics an operator, in recorded
+    iterations only (not timed apart). Measured on one H200 (GPT-2 medium at 3x, autocast's cache emptied,
     watched by modules): at the output layer's end the first iteration watched by events held
     4.43 GiB of the session's storages with it and 4.67 GiB without; both processes with it
     trained, one of two without it ran out of memory at the loss. At 4x, where the recorded
