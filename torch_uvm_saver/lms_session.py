@@ -78,12 +78,12 @@ Note [Near misses]
     16`` it caps its storages' resident bytes at that position by the excess, as an
     out-of-memory error would have, and pages nothing now (``near_misses`` in stats()
     counts them). It costs one read of PyTorch's memory statistics an operator, in recorded
-    iterations only (not timed apart). Measured on one H200 (GPT-2 medium at 3x, autocast's cache emptied,
-    watched by modules): at the output layer's end the first iteration watched by events held
-    4.43 GiB of the session's storages with it and 4.67 GiB without; both processes with it
-    trained, one of two without it ran out of memory at the loss. At 4x, where the recorded
-    loss runs out of memory anyway, it changed no step time (0.219 s, 0.215-0.223, against
-    0.249 s, 0.216-0.282, two processes each).
+    iterations only (not timed apart). Measured on one H200 (GPT-2 medium at 3x, autocast's
+    cache emptied, watched by modules): at the output layer's end the first iteration watched
+    by events held 4.43 GiB of the session's storages with it and 4.67 GiB without; both
+    processes with it trained, one of two without it ran out of memory at the loss. At 4x,
+    where the recorded loss runs out of memory anyway, it changed no step time (0.219 s,
+    0.215-0.223, against 0.249 s, 0.216-0.282, two processes each).
 
 Note [Dead page-outs]
     The planner learns that a storage died only when the session next looks at it: a gradient
