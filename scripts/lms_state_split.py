@@ -29,12 +29,9 @@ A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --f
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
 the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a time.
 
---watch modules and --no-quiet pass watch="modules" and quiet=False to the session;
---no-page-out-ahead turns its planner's paging out ahead off (Note [Paging out ahead]), and
---clear-autocast-cache empties autocast's cache of weight copies after each module (Note
-[Autocast's cast cache]), to compare processes of one build with each on and off. A
-configuration may also carry switches of its own (SWITCHES), so one --configs call alternates
-them: "helper,1+clear helper,1+clear+nomiss".
+--watch modules and --no-quiet pass watch="modules" and quiet=False to the session. To compare
+processes of one build with a setting on and off, a configuration carries switches (SWITCHES),
+so one --configs call alternates them: "helper,1 helper,1+noahead helper,1+clear+nomiss".
 
     python scripts/lms_state_split.py --limit-gib 16.66 --watch modules --rounds 3 \
         --configs "baseline overlap helper,1"   (these configurations in turn, three rounds)
@@ -106,8 +103,9 @@ COUNTED = (  # the session's counters reported per step
 # clear empties autocast's cache after each module (Note [Autocast's cast cache]); nomiss turns
 # the caps that recorded iterations learn from near misses off (Note [Near misses]); inplace
 # makes every optimizer step read the host's state in place instead of staging it (Note
-# [Staging the state on the host]).
-SWITCHES = ("clear", "nomiss", "inplace")
+# [Staging the state on the host]); noahead turns the planner's paging out ahead off (Note
+# [Paging out ahead]).
+SWITCHES = ("clear", "nomiss", "inplace", "noahead")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -525,8 +523,6 @@ def run_one(
     regime: str = "state",
     prefetch_depth: int | None = None,
     without_session: str = "baseline",
-    page_out_ahead: bool = True,
-    clear_autocast_cache: bool = False,
     switches: frozenset[str] = frozenset(),
 ) -> dict:
     """One configuration: the state of `share` of the groups on the host under a session, or
@@ -565,13 +561,13 @@ def run_one(
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,
-            clear_autocast_cache=clear_autocast_cache or "clear" in switches,
+            clear_autocast_cache="clear" in switches,
         )
         if "nomiss" in switches:
             session._check_margin = lambda: None
         if "inplace" in switches:
             session._host_state.staging_bytes = 0
-        if not page_out_ahead:  # A/B runs of Note [Paging out ahead] on one build
+        if "noahead" in switches:
             session._planner.page_out_ahead = False
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
@@ -738,16 +734,6 @@ def main() -> None:
     parser.add_argument("--watch", default="operators", help="the session's watch option")
     parser.add_argument("--no-quiet", action="store_true", help="the session's quiet=False")
     parser.add_argument(
-        "--no-page-out-ahead",
-        action="store_true",
-        help="turn the planner's paging out ahead off (Note [Paging out ahead]), for A/B runs",
-    )
-    parser.add_argument(
-        "--clear-autocast-cache",
-        action="store_true",
-        help="the session's clear_autocast_cache=True (Note [Autocast's cast cache]), for A/B",
-    )
-    parser.add_argument(
         "--probe",
         choices=PROBES,
         help="then lay out one more step (trace), cProfile one, or sample, time (host) or take "
@@ -789,8 +775,6 @@ def main() -> None:
                 not args.no_quiet,
                 args.regime,
                 args.prefetch_depth,
-                page_out_ahead=not args.no_page_out_ahead,
-                clear_autocast_cache=args.clear_autocast_cache,
                 switches=frozenset(switches),
             )
         print(MARK + json.dumps(result), flush=True)
@@ -807,8 +791,6 @@ def main() -> None:
             command = [sys.executable, __file__, "--limit-gib", str(args.limit_gib)]
             command += ["--one", config, "--watch", args.watch]
             command += ["--no-quiet"] if args.no_quiet else []
-            command += ["--no-page-out-ahead"] if args.no_page_out_ahead else []
-            command += ["--clear-autocast-cache"] if args.clear_autocast_cache else []
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--regime", args.regime]
             if args.prefetch_depth is not None:

@@ -447,10 +447,10 @@ def test_a_configuration_carries_its_own_switches_and_an_unknown_one_is_refused(
         return {"step_s": 0.2}
 
     monkeypatch.setattr(lms_state_split, "run_one", fake_run_one)
-    argv = ["lms_state_split.py", "--limit-gib", "8.94", "--one", "helper,1+clear+nomiss"]
+    argv = ["lms_state_split.py", "--limit-gib", "8.94", "--one", "helper,1+clear+noahead"]
     monkeypatch.setattr(sys, "argv", argv)
     lms_state_split.main()
-    assert calls == [("helper", True, frozenset({"clear", "nomiss"}))]
+    assert calls == [("helper", True, frozenset({"clear", "noahead"}))]
     assert 'SPLIT {"step_s": 0.2}' in capsys.readouterr().out
 
     monkeypatch.setattr(sys, "argv", [*argv[:-1], "0.4,0+inplace+fast"])
