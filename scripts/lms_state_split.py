@@ -23,7 +23,9 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         SPLIT_RETRIES names (default retries.json.gz) for its --from-snapshot; --probe
         residency: at the end of the output layer's forward in every iteration, warm-up
         included, how the session watched it, its resident bytes and the budget there, and
-        PyTorch's allocated and reserved bytes: residency_line())
+        PyTorch's allocated and reserved bytes: residency_line(); --probe trend: a line a
+        step, warm-up included, its time, allocator retries and what the session's counters
+        did in it: trend_line())
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
@@ -78,6 +80,7 @@ PROBES = (
     "threads",
     "retries",
     "residency",
+    "trend",
 )
 # --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
 # parameter groups) stepping after the backward (groups); and stepping in it (overlap:
@@ -496,6 +499,64 @@ def print_host_times(one, steps: int) -> None:
         )
 
 
+TREND = (  # the session's counters a --probe trend line shows: (key, label, in GB)
+    ("pageout_bytes", "out", True),
+    ("prefetch_bytes", "ahead", True),
+    ("pagein_bytes", "in", True),
+    ("dead_pageout_bytes", "dead", True),
+    ("near_misses", "misses", False),
+    ("oom_retries", "oom", False),
+    ("event_deviations", "deviations", False),
+    ("capped_positions", "caps", False),
+)
+
+
+def host_clock() -> dict[str, float]:
+    """This process's CPU seconds (user, system) and involuntary context switches so far, and
+    the seconds the hypervisor took from all of the machine's CPUs (steal, /proc/stat): a
+    step's change in them says whether the host thread computed, waited or was pushed off."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    steal = 0.0
+    with contextlib.suppress(OSError, IndexError, ValueError), open("/proc/stat") as f:
+        steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    return {
+        "user": usage.ru_utime,
+        "system": usage.ru_stime,
+        "preempted": usage.ru_nivcsw,
+        "steal": steal,
+    }
+
+
+def trend_line(
+    index: int,
+    warmup: int,
+    seconds: float,
+    retries: int,
+    moved: dict,
+    host: dict[str, float] | None = None,
+) -> str:
+    """One step of a process's trend: whether it was a warm-up step, its time, PyTorch's
+    allocator retries in it, what the host did in it (`host`: host_clock()'s change over it,
+    and "queued", when the host had queued all of it) and, with a session, its counters'
+    changes over it (`moved`) and how it watched the step."""
+    kind = "warm-up" if index < warmup else "timed"
+    line = f"step {index + 1:2d} {kind:7s} {seconds:.3f} s, {retries} retries"
+    if host is not None:
+        line += (
+            f", queued {host['queued']:.3f} s, cpu {host['user']:.3f}+{host['system']:.3f} s, "
+            f"preempted {host['preempted']:g}, steal {host['steal']:.2f} s"
+        )
+    for key, label, in_gb in TREND:
+        if key in moved:
+            line += f", {label} {moved[key] / 1e9:.2f} GB" if in_gb else f", {label} {moved[key]}"
+    if "quiet_iterations" in moved:
+        watched = "events" if moved.get("event_iterations") else "operators"
+        line += ", quiet" if moved["quiet_iterations"] else f", watched by {watched}"
+    return line
+
+
 def residency_line(session, allocated: int, reserved: int) -> str:
     """How the session watches this iteration (operators, or by events: record, act,
     deviated), the bytes its storages hold on the device and its planner's budget at this
@@ -598,12 +659,15 @@ def run_one(
         return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
 
     losses, times, queue_times, step_retries = [], [], [], []
+    trend = probe == "trend" and session is not None
     for i in range(warmup + steps):
         if i == warmup:
             calls_before = device_calls()
             if session is not None:
                 before = session.stats()
         retries_at_start = retries()
+        at_start = session.stats() if trend else {}
+        clock = host_clock() if probe == "trend" else {}
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(one())
@@ -611,6 +675,12 @@ def run_one(
         times.append(time.perf_counter() - start)
         queue_times.append(queued[-1] - start)
         step_retries.append(retries() - retries_at_start)
+        if probe == "trend":
+            at_end = session.stats() if trend else {}
+            moved = {k: at_end[k] - at_start[k] for k in at_end}
+            host = {k: v - clock[k] for k, v in host_clock().items()}
+            host["queued"] = queue_times[-1]
+            print(trend_line(i, warmup, times[-1], step_retries[-1], moved, host), flush=True)
     calls_after = device_calls()
     out = {
         "step_s": statistics.median(times[warmup:]),

@@ -8,8 +8,10 @@ CPU time is charged to (thread_cpu.py), how rounds of processes make one row a c
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import host_speed_under_copies  # noqa: E402
 import lms_allocator_retries  # noqa: E402
 import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
+import pinned_numa_bandwidth  # noqa: E402
 import replay_planner  # noqa: E402
 import thread_cpu  # noqa: E402
 
@@ -368,6 +371,61 @@ def test_the_residency_probe_follows_a_session_from_recording_to_acting_on_event
     assert [line.split()[1] for line in lines] == ["watch=record"] * 2 + ["watch=act"] * 2
 
 
+def test_a_trend_line_shows_each_steps_own_paging_and_how_it_was_watched():
+    sys.path.insert(0, str(ROOT / "tests" / "sim"))
+    from lms_training import make_model, session_for, train
+
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="modules")
+    lines = []
+    for index in range(4):
+        before = session.stats()
+        train(model, optimizer, session, steps=1)
+        after = session.stats()
+        moved = {k: after[k] - before[k] for k in after}
+        lines.append(lms_state_split.trend_line(index, 2, 0.25, 0, moved))
+    session.close()
+    assert lines[0].startswith("step  1 warm-up 0.250 s, 0 retries, out ")
+    assert lines[3].startswith("step  4 timed   0.250 s, 0 retries, out ")
+    # AdamW makes its state in the first iteration, so the second is recorded again.
+    assert [line.rsplit(", ", 1)[1] for line in lines] == ["watched by operators"] * 2 + [
+        "watched by events"
+    ] * 2
+
+
+def test_a_trend_line_puts_bytes_in_gb_and_counts_as_they_are():
+    moved = {key: 0 for key, _, _ in lms_state_split.TREND}
+    moved.update(pageout_bytes=1_700_000_000, near_misses=26, quiet_iterations=1)
+    line = lms_state_split.trend_line(11, 4, 0.4861, 1, moved)
+    assert line == (
+        "step 12 timed   0.486 s, 1 retries, out 1.70 GB, ahead 0.00 GB, in 0.00 GB, "
+        "dead 0.00 GB, misses 26, oom 0, deviations 0, caps 0, quiet"
+    )
+
+
+def test_a_trend_line_without_a_session_has_only_the_time_and_retries():
+    assert lms_state_split.trend_line(0, 1, 0.1234, 2, {}) == "step  1 warm-up 0.123 s, 2 retries"
+
+
+def test_a_trend_line_says_what_the_host_did_in_the_step():
+    host = {"queued": 0.2, "user": 0.19, "system": 0.015, "preempted": 3, "steal": 0.04}
+    line = lms_state_split.trend_line(4, 4, 0.25, 0, {}, host)
+    assert line == (
+        "step  5 timed   0.250 s, 0 retries, queued 0.200 s, cpu 0.190+0.015 s, "
+        "preempted 3, steal 0.04 s"
+    )
+
+
+def test_the_host_clock_moves_with_the_cpu_this_process_spends():
+    before = lms_state_split.host_clock()
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    after = lms_state_split.host_clock()
+    assert after["user"] + after["system"] - before["user"] - before["system"] >= 0.04
+    assert after["steal"] >= before["steal"] >= 0
+
+
 def test_rounds_of_processes_make_one_row_a_configuration_against_the_first(capsys):
     staged = {"host_gib": 9.16, "staged_gb": 19.7}
     results = {
@@ -483,3 +541,24 @@ def test_every_function_the_host_probe_times_is_there_to_time():
         module = importlib.import_module(module_name)
         owner = getattr(module, owner_name) if owner_name else module
         assert callable(getattr(owner, name, None)), f"{module_name}.{owner_name}.{name}"
+
+
+def test_a_cpu_list_reads_as_sysfs_writes_it():
+    assert pinned_numa_bandwidth.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert pinned_numa_bandwidth.parse_cpulist("5") == {5}
+
+
+def test_every_cpu_this_process_may_run_on_belongs_to_a_node():
+    nodes = pinned_numa_bandwidth.node_cpus()
+    assert nodes and set().union(*nodes.values()) >= os.sched_getaffinity(0)
+
+
+def test_the_pages_of_a_large_buffer_are_counted_on_their_nodes():
+    import mmap
+
+    pages = 4096
+    buffer = mmap.mmap(-1, pages * 4096)
+    buffer.write(b"x" * len(buffer))  # touched: each page is on some node now
+    counted = sum(pinned_numa_bandwidth.pages_by_node(min_pages=pages).values())
+    assert counted >= pages
+    buffer.close()
