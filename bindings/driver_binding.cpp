@@ -2,6 +2,8 @@
 // counts) from tests; both can be installed as the process driver.
 #include <pybind11/stl.h>
 
+#include <cstdint>
+
 #include "allocator/driver/cuda_driver.h"
 #include "allocator/driver/sim_driver.h"
 #include "bindings/bindings.h"
@@ -45,6 +47,30 @@ void bind_drivers(py::module_& module) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_access", &Driver::set_access, py::arg("device"), py::arg("ptr"), py::arg("size"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "stream_create",
+          [](Driver& driver, int device) {
+            return reinterpret_cast<std::uintptr_t>(driver.stream_create(device));
+          },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "stream_destroy",
+          [](Driver& driver, int device, std::uintptr_t stream) {
+            driver.stream_destroy(device, reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "event_create",
+          [](Driver& driver, int device) {
+            return reinterpret_cast<std::uintptr_t>(driver.event_create(device));
+          },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "event_destroy",
+          [](Driver& driver, int device, std::uintptr_t event) {
+            driver.event_destroy(device, reinterpret_cast<EventHandle>(event));
+          },
+          py::arg("device"), py::arg("event"), py::call_guard<py::gil_scoped_release>())
       .def("mem_alloc", &Driver::mem_alloc, py::arg("device"), py::arg("size"),
            py::call_guard<py::gil_scoped_release>())
       .def("mem_free", &Driver::mem_free, py::arg("device"), py::arg("ptr"),

@@ -3,6 +3,11 @@
 // case builds no lists. The GIL stays held: the planner is pure bookkeeping and not thread-safe.
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "allocator/residency/relocation_copies.h"
 #include "allocator/residency/relocation_planner.h"
 #include "bindings/bindings.h"
 
@@ -75,6 +80,7 @@ void bind_relocation(py::module_& module) {
           py::arg("ids"), "Like before_use for a view: pages in, reads nothing.")
       .def("make_room", &Planner::make_room, py::arg("nbytes"), py::arg("keep"))
       .def("prefetch_failed", &Planner::prefetch_failed, py::arg("id"))
+      .def("pageout_failed", &Planner::pageout_failed, py::arg("id"))
       .def("cap_here", &Planner::cap_here, py::arg("nbytes"))
       .def("evict_all", &Planner::evict_all, py::arg("keep"))
       .def("bring_all_in", &Planner::bring_all_in)
@@ -86,6 +92,36 @@ void bind_relocation(py::module_& module) {
       .def_property_readonly("resident_bytes", &Planner::resident_bytes)
       .def_property_readonly("registered_bytes", &Planner::registered_bytes)
       .def("counters", &counters_dict);
+
+  // Raw handles and addresses, as torch gives them (Stream.cuda_stream, Event.cuda_event,
+  // data_ptr()): the session checks what they belong to. The GIL stays held: a batch is a few
+  // asynchronous calls, and the caller's buffers stay alive while it runs.
+  module.def(
+      "queue_relocation_copies",
+      [](Driver& driver, int device, std::uintptr_t stream, std::uintptr_t handover,
+         const std::vector<std::uintptr_t>& after_streams,
+         const std::vector<std::uintptr_t>& after_events,
+         const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>>& copies,
+         bool to_host) {
+        auto handle = [](std::uintptr_t raw) { return reinterpret_cast<void*>(raw); };
+        std::vector<StreamHandle> streams;
+        streams.reserve(after_streams.size());
+        for (std::uintptr_t raw : after_streams) streams.push_back(handle(raw));
+        std::vector<EventHandle> events;
+        events.reserve(after_events.size());
+        for (std::uintptr_t raw : after_events) events.push_back(handle(raw));
+        std::vector<RelocationCopy> batch;
+        batch.reserve(copies.size());
+        for (const auto& [device_ptr, host_ptr, size] : copies) {
+          batch.push_back(RelocationCopy{device_ptr, handle(host_ptr), size});
+        }
+        queue_relocation_copies(driver, device, handle(stream), handle(handover), streams, events,
+                                batch, to_host ? CopyDirection::kToHost : CopyDirection::kToDevice);
+      },
+      py::arg("driver"), py::arg("device"), py::arg("stream"), py::arg("handover"),
+      py::arg("after_streams"), py::arg("after_events"), py::arg("copies"), py::arg("to_host"),
+      "Queues (device address, host address, bytes) copies on `stream` after `after_streams` "
+      "(through the `handover` event) and `after_events` (Note [Copies queued in one call]).");
 }
 
 }  // namespace tus::bindings

@@ -107,8 +107,9 @@ COUNTED = (  # the session's counters reported per step
 # the caps that recorded iterations learn from near misses off (Note [Near misses]); inplace
 # makes every optimizer step read the host's state in place instead of staging it (Note
 # [Staging the state on the host]); noahead turns the planner's paging out ahead off (Note
-# [Paging out ahead]).
-SWITCHES = ("clear", "nomiss", "inplace", "noahead")
+# [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
+# in one native call a batch (Note [Copies queued in one call]).
+SWITCHES = ("clear", "nomiss", "inplace", "noahead", "pycopies")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -318,8 +319,8 @@ def track_pageouts(session, model: torch.nn.Module, optimizer: torch.optim.Optim
     records: dict[int, list] = {}  # block -> [kind, phase, bytes, copied, fate]
     done: list[list] = []
     cls = module.LmsSession
-    page_out_one, page_in, prefetch_all, drop, add = (
-        cls._page_out_one,
+    page_out_without_copy, page_in, prefetch_all, drop, add = (
+        cls._page_out_without_copy,
         cls._page_in,
         cls._prefetch_all,
         cls._drop,
@@ -360,11 +361,12 @@ def track_pageouts(session, model: torch.nn.Module, optimizer: torch.optim.Optim
             record[4] = fate
             done.append(record)
 
-    def traced_page_out_one(self, block, stream, others=()):
+    def traced_page_out_without_copy(self, block, others):
         entry = self._entries.get(block)
         nbytes = entry.nbytes if entry is not None else 0
         kind, when = kind_of(block), phase()
-        copied = page_out_one(self, block, stream, others)
+        moving = page_out_without_copy(self, block, others)
+        copied = moving is not None  # its batch copies it
         settle(block, "paged out again")
         record = [kind, when, nbytes, copied, None]
         if block in self._entries:
@@ -372,7 +374,7 @@ def track_pageouts(session, model: torch.nn.Module, optimizer: torch.optim.Optim
         else:  # Note [Dead page-outs]: it had died, and the session forgot it
             record[4] = "had died"
             done.append(record)
-        return copied
+        return moving
 
     def traced_page_in(self, block):
         settle(block, "paged in on demand")
@@ -390,7 +392,7 @@ def track_pageouts(session, model: torch.nn.Module, optimizer: torch.optim.Optim
         taken_as.pop(block, None)  # the address may name another storage later
         return drop(self, block)
 
-    cls._page_out_one, cls._page_in = traced_page_out_one, traced_page_in
+    cls._page_out_without_copy, cls._page_in = traced_page_out_without_copy, traced_page_in
     cls._prefetch_all, cls._drop, cls._add = traced_prefetch_all, traced_drop, traced_add
 
     def report(steps: int) -> None:
@@ -630,6 +632,8 @@ def run_one(
             session._host_state.staging_bytes = 0
         if "noahead" in switches:
             session._planner.page_out_ahead = False
+        if "pycopies" in switches:
+            session._copies.native = False
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()

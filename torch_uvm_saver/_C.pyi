@@ -46,6 +46,7 @@ __all__: list[str] = [
     "logged_count",
     "managed_process_total",
     "preload_hook",
+    "queue_relocation_copies",
     "restore_thread_region",
     "save_thread_region",
     "set_default_backup_policy",
@@ -68,6 +69,12 @@ class Driver:
         size: typing.SupportsInt | typing.SupportsIndex,
     ) -> int: ...
     def device_count(self) -> int: ...
+    def event_create(self, device: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    def event_destroy(
+        self,
+        device: typing.SupportsInt | typing.SupportsIndex,
+        event: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None: ...
     def free_address(
         self,
         device: typing.SupportsInt | typing.SupportsIndex,
@@ -130,6 +137,12 @@ class Driver:
         device: typing.SupportsInt | typing.SupportsIndex,
         ptr: typing.SupportsInt | typing.SupportsIndex,
         size: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None: ...
+    def stream_create(self, device: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    def stream_destroy(
+        self,
+        device: typing.SupportsInt | typing.SupportsIndex,
+        stream: typing.SupportsInt | typing.SupportsIndex,
     ) -> None: ...
     def unmap(
         self,
@@ -514,9 +527,15 @@ class RelocationPlanner:
         Like before_use for a view: pages in, reads nothing.
         """
     def budget_at(self, position: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    def cap_here(self, nbytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def coarsen(
+        self, to: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+    ) -> None:
+        """
+        After end_iteration: position p of the last iteration becomes to[p].
+        """
     def counters(self) -> dict: ...
     def end_iteration(self) -> None: ...
-    def coarsen(self, to: list[int]) -> None: ...
     def evict_all(
         self, keep: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
     ) -> list[int]: ...
@@ -527,8 +546,8 @@ class RelocationPlanner:
         nbytes: typing.SupportsInt | typing.SupportsIndex,
         keep: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
     ) -> list[int]: ...
+    def pageout_failed(self, id: typing.SupportsInt | typing.SupportsIndex) -> None: ...
     def prefetch_failed(self, id: typing.SupportsInt | typing.SupportsIndex) -> None: ...
-    def cap_here(self, nbytes: typing.SupportsInt | typing.SupportsIndex) -> None: ...
     def remove(self, id: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
     @property
     def budget(self) -> int: ...
@@ -671,6 +690,26 @@ def managed_process_total() -> int:
 def preload_hook() -> bool:
     """
     True when the preload library interposes cudaMalloc in this process.
+    """
+
+def queue_relocation_copies(
+    driver: Driver,
+    device: typing.SupportsInt | typing.SupportsIndex,
+    stream: typing.SupportsInt | typing.SupportsIndex,
+    handover: typing.SupportsInt | typing.SupportsIndex,
+    after_streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    after_events: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    copies: collections.abc.Sequence[
+        tuple[
+            typing.SupportsInt | typing.SupportsIndex,
+            typing.SupportsInt | typing.SupportsIndex,
+            typing.SupportsInt | typing.SupportsIndex,
+        ]
+    ],
+    to_host: bool,
+) -> None:
+    """
+    Queues (device address, host address, bytes) copies on `stream` after `after_streams` (through the `handover` event) and `after_events` (Note [Copies queued in one call]).
     """
 
 def restore_thread_region(state: RegionState) -> None: ...

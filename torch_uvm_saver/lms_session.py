@@ -217,6 +217,7 @@ from .errors import InvalidArgumentError, InvalidStateError, OutOfMemoryError
 from .host_state import HostState, is_on_host
 from .lms import _is_view  # one cache of which operators are views, shared with VMM LMS
 from .lms_events import UNPACK, WATCH_MODES, EventWatch
+from .queued_copies import CopyQueue
 from .segment_move import byte_view as _byte_view
 from .segment_move import in_fixed_segments, move_into_expandable_segments
 from .stream_handover import Handover, switched
@@ -493,6 +494,7 @@ class LmsSession:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
             self._handover = Handover()  # Note [Stream hand-overs] in stream_handover.py
+            self._copies = CopyQueue(self.device)  # Note [Copies queued in one call]
         self._events: EventWatch | None = None
         try:
             self._open(modules, watch)
@@ -1012,49 +1014,74 @@ class LmsSession:
 
     def _page_out_all(self, blocks: list[int]) -> None:
         """Copies these blocks to the host and gives their device memory back. On a GPU the
-        copies queue on the page-out stream behind what the current stream has queued (their
-        last uses): one wait and one stream switch for the whole batch, one event after it."""
+        copies queue on the page-out stream behind what the current stream (their last uses)
+        and the other streams that read managed storages have queued, in one call (Note
+        [Copies queued in one call] in queued_copies.py), and one event after them is what a
+        page-in of any of them waits for. No storage gives its memory back before its copy is
+        queued: a batch that fails leaves every block where it was."""
         if not blocks:
             return
         if not self._cuda:
             for block in blocks:
-                self._page_out_one(block, None)
+                moving = self._page_out_without_copy(block, ())
+                if moving is not None:
+                    entry, storage = moving
+                    device_bytes = entry.device_bytes(storage)
+                    if entry.host is None:
+                        entry.host = device_bytes.clone()
+                    else:
+                        entry.host.copy_(device_bytes)
+                    self._gone_out(block, entry, storage)
             return
         stream = self._out_stream
         current = self._current_stream()
-        self._handover.wait_for(stream, current)
-        others = self._other_streams(current)
-        for other in others:  # Note [Other streams]
-            self._handover.wait_for(stream, other)
-        copied: list[_Entry] = []
+        others = self._other_streams(current)  # Note [Other streams]
+        moving: list[tuple[int, _Entry, torch.UntypedStorage]] = []
+        for block in blocks:
+            found = self._page_out_without_copy(block, others)
+            if found is None:
+                continue
+            entry, storage = found
+            if entry.host is None:
+                entry.host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+            moving.append((block, entry, storage))
+        if not moving:
+            return
+        copies = [(entry.device_bytes(storage), entry.host) for _, entry, storage in moving]
+        # A prefetch still landing in a block is what its copy out must follow.
+        landing = self._landing
+        landings = [landing[block] for block, _, _ in moving if block in landing]
         try:
-            with switched(stream, current):
-                for block in blocks:
-                    if self._page_out_one(block, stream, others):
-                        copied.append(self._entries[block])
-        finally:
-            if copied:
-                event = stream.record_event()  # a page-in of any of them waits for it
-                for entry in copied:
-                    entry.out_event = event
+            self._copies.queue(stream, current, others, landings, copies, to_host=True)
+        except BaseException:
+            for block, _, _ in moving:  # still resident, their bytes on the device
+                self._planner.pageout_failed(block)
+            raise
+        for block, _, _ in moving:
+            landing.pop(block, None)
+        event = stream.record_event()
+        for (block, entry, storage), (device_bytes, _) in zip(moving, copies, strict=True):
+            device_bytes.record_stream(stream)  # the block is reused only after the copy
+            entry.out_event = event
+            self._gone_out(block, entry, storage)
 
-    def _page_out_one(
-        self, block: int, stream: torch.cuda.Stream | None, others: tuple = ()
-    ) -> bool:
-        """Pages one block out (its copy queued on `stream`, the current one, when on a GPU);
-        whether it copied anything."""
+    def _page_out_without_copy(
+        self, block: int, others: tuple
+    ) -> tuple[_Entry, torch.UntypedStorage] | None:
+        """Pages a block out where that copies nothing (its storage died, its bytes are on the
+        host already); else its entry and storage, whose bytes must be copied first."""
         entry = self._entries.get(block)
         live = self._live(block)
         if live is None:  # Note [Dead page-outs]: nothing to move
             self._dead_pageouts += 1
             self._dead_pageout_bytes += entry.nbytes if entry is not None else 0
-            return False
+            return None
         entry, storage = live
         if storage.nbytes() == 0 and entry.host is not None:
             # Its bytes are on the host already: a prefetch the plan named but that has not run
             # yet (making room for a page-in before it chose it as a victim) is given up.
             self._out.add(block)
-            return False
+            return None
         if storage.nbytes() != entry.nbytes:
             raise InvalidStateError(
                 f"lms_session: a managed storage changed size from {entry.nbytes} to "
@@ -1074,27 +1101,15 @@ class LmsSession:
                 del device_bytes
             storage.resize_(0)
             self._out.add(block)
-            return False
-        device_bytes = entry.device_bytes(storage)
-        host = entry.host  # the buffer of an earlier copy, reused: its reads are ordered before
-        if stream is not None:
-            landing = self._landing.pop(block, None)
-            if landing is not None:
-                stream.wait_event(landing)
-            if host is None:
-                host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
-            host.copy_(device_bytes, non_blocking=True)
-            device_bytes.record_stream(stream)  # the block is reused only after the copy
-        elif host is None:
-            host = device_bytes.clone()
-        else:
-            host.copy_(device_bytes)
-        entry.host = host
+            return None
+        return entry, storage
+
+    def _gone_out(self, block: int, entry: _Entry, storage: torch.UntypedStorage) -> None:
+        """The block's bytes are (or are queued to be) in its host buffer: its device memory
+        goes back to PyTorch's cache."""
         entry.host_current = True
-        del device_bytes
         storage.resize_(0)
         self._out.add(block)
-        return True
 
     def _page_in_making_room(self, block: int, ids: list[int]) -> None:
         for attempt in range(OOM_RETRIES + 1):
@@ -1137,8 +1152,10 @@ class LmsSession:
     def _prefetch_all(self, blocks: list[int]) -> None:
         """Pages blocks in ahead of their reads. Each takes its device memory on the current
         stream, where it may be memory still in use; on a GPU the copies then queue on the
-        prefetch stream behind that (one wait, one stream switch) and each records the event that
-        its first reader waits for (_wait_landing)."""
+        prefetch stream behind that, in one call (Note [Copies queued in one call] in
+        queued_copies.py), and one event after them is what their first readers wait for
+        (_wait_landing). A batch that fails gives the memory it took back: the blocks stay out,
+        their bytes on the host."""
         ready: list[tuple[int, _Entry, torch.UntypedStorage]] = []
         for index, block in enumerate(blocks):
             if self._planner.is_out(block):
@@ -1165,18 +1182,25 @@ class LmsSession:
                 self._out.discard(block)
             return
         stream = self._in_stream
-        current = self._current_stream()
-        self._handover.wait_for(stream, current)
-        with switched(stream, current):
-            for block, entry, storage in ready:
-                if entry.out_event is not None:  # kept: a clean page-out copies nothing new
-                    stream.wait_event(entry.out_event)
-                device_bytes = entry.device_bytes(storage)
-                device_bytes.copy_(entry.host, non_blocking=True)
-                self._landing[block] = stream.record_event()
+        copies = [(entry.device_bytes(storage), entry.host) for _, entry, storage in ready]
+        # Kept: a clean page-out copies nothing new, and its event may have passed long ago.
+        after = [entry.out_event for _, entry, _ in ready if entry.out_event is not None]
+        try:
+            self._copies.queue(stream, self._current_stream(), (), after, copies, to_host=False)
+        except BaseException:
+            # Copies queued before the failure may still write these blocks: each is reused
+            # only once the prefetch stream is past them.
+            for (block, _, storage), (device_bytes, _) in zip(ready, copies, strict=True):
                 device_bytes.record_stream(stream)
-                entry.host_current = True  # until an operator writes the block
-                self._out.discard(block)
+                storage.resize_(0)
+                self._planner.prefetch_failed(block)
+            raise
+        event = stream.record_event()
+        for (block, entry, _), (device_bytes, _) in zip(ready, copies, strict=True):
+            self._landing[block] = event
+            device_bytes.record_stream(stream)
+            entry.host_current = True  # until an operator writes the block
+            self._out.discard(block)
 
     # -- out of memory ---------------------------------------------------------------------
 

@@ -34,6 +34,11 @@ class Handover:
     def __init__(self) -> None:
         self._event = torch.cuda.Event()
 
+    @property
+    def event(self) -> torch.cuda.Event:
+        """The reused event (Note [Copies queued in one call] records it natively too)."""
+        return self._event
+
     def wait_for(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
         """`waiter` runs what is queued on it from now on after what `stream` has queued."""
         self._event.record(stream)

@@ -50,6 +50,7 @@ class AheadPageOuts {
   const Unconfirmed& unconfirmed() const { return unconfirmed_; }
   std::uint64_t unconfirmed_bytes() const { return unconfirmed_bytes_; }
   std::uint64_t bytes_out_ahead(BlockId id) const { return out_.at(id).bytes; }
+  bool is_out_ahead(BlockId id) const { return out_.count(id) != 0; }
   // `id` is back in (prefetched, or paged in for an operator that reads it now).
   void back_in(BlockId id);
   // The block of `id` leaves the planner; `persistent`: its key (an address) goes with it.

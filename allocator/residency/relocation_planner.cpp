@@ -345,6 +345,19 @@ void RelocationPlanner::prefetch_failed(BlockId id) {
   if (!added) it->second = std::min(it->second, fitted);
 }
 
+void RelocationPlanner::pageout_failed(BlockId id) {
+  const auto it = blocks_.find(id);
+  if (it == blocks_.end() || !it->second.out) return;
+  Block& block = it->second;
+  if (ahead_pageouts_.is_out_ahead(id)) {
+    --counters_.ahead_pageout_count;
+    counters_.ahead_pageout_bytes -= block.bytes;
+  }
+  make_resident(id, block);
+  --counters_.pageout_count;
+  counters_.pageout_bytes -= block.bytes;
+}
+
 std::vector<RelocationPlanner::BlockId> RelocationPlanner::evict_all(
     const std::vector<BlockId>& keep) {
   const std::unordered_set<BlockId> kept(keep.begin(), keep.end());

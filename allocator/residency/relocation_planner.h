@@ -146,6 +146,10 @@ class RelocationPlanner {
   // A prefetch the plan named could not get device memory: the block is out again, and the
   // resident bytes are capped at this position (what fitted) from now on.
   void prefetch_failed(BlockId id);
+  // A page-out the plan named did not happen (its copy could not be queued): the block is
+  // resident again, its page-out uncounted (an ahead one's too); sent out ahead, it is back in
+  // as a block paged in is (AheadPageOuts::back_in).
+  void pageout_failed(BlockId id);
   // A near miss at this position (the operator ran, but what the process held came within a
   // margin of the limit): the resident bytes are capped at `bytes` here from now on, as
   // make_room caps them, and nothing pages out now.

@@ -703,6 +703,123 @@ def stream_hand_overs_order_the_work_and_put_the_current_stream_back() -> None:
     assert torch.cuda.current_stream() == main
 
 
+@scenario
+def copies_queued_in_one_call_follow_the_streams_and_events_they_are_given() -> None:
+    """Note [Copies queued in one call]: a natively queued batch copies after what the current
+    stream has queued and after each event it is given, both ways."""
+    import torch
+
+    from torch_uvm_saver.queued_copies import CopyQueue
+
+    copies = CopyQueue(torch.device("cuda", torch.cuda.current_device()))
+    assert copies.native, "the process driver is CUDA's on a GPU: the native path runs"
+    main, side, other = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.zeros(MiB, device="cuda")
+    host = torch.empty(4 * MiB, dtype=torch.uint8, pin_memory=True)
+    torch.cuda._sleep(50_000_000)  # the fill lands about 25 ms from now
+    x.fill_(1.0)
+    x_bytes = x.view(torch.uint8)
+    copies.queue(side, main, (), [], [(x_bytes, host)], to_host=True)
+    x_bytes.record_stream(side)
+    torch.cuda.synchronize()
+    assert float(host.view(torch.float32).min()) == 1.0, "the copy out ran before the fill"
+
+    z = torch.zeros(MiB, device="cuda")
+    torch.cuda.synchronize()
+    other.wait_stream(main)
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(50_000_000)
+        z.fill_(5.0)  # must land before the copy in below, which writes 1.0 over it
+    written = other.record_event()
+    z_bytes = z.view(torch.uint8)
+    copies.queue(side, main, (), [written], [(z_bytes, host)], to_host=False)
+    torch.cuda.synchronize()
+    assert float(z.min()) == float(z.max()) == 1.0, "the copy in did not wait for the event"
+
+
+@scenario
+def the_paging_copies_queued_natively_train_as_torchs_own_calls_do() -> None:
+    """Both ways of queuing the session's copies (Note [Copies queued in one call]) train bit
+    for bit as the same training without a limit."""
+    import torch
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
+    expected = reference()
+    limit = expected[2] // 2 + EXPANDABLE_STEP
+    for native in (True, False):
+        torch.cuda.empty_cache()
+        model, optimizer = make_model()
+        session = tus.lms_session(limit, [model], [optimizer])
+        assert session._copies.native
+        session._copies.native = native
+        losses = train(model, optimizer, session)
+        stats = session.stats()
+        session.close()
+        params = [p.detach().cpu() for p in model.parameters()]
+        print(f"native={native}: {stats}")
+        check_same_training(expected, (losses, params))
+        assert stats["pageout_bytes"] > stats["clean_pageout_bytes"] and stats["prefetch_count"]
+        del model, optimizer, session
+
+
+class _FailingCopies:
+    """The session's CopyQueue, failing the first batch of one direction queued while
+    `failing` is set (by a forward while `armed` is)."""
+
+    def __init__(self, real, to_host: bool) -> None:
+        self.real, self.to_host = real, to_host
+        self.armed = self.failing = False
+        self.failed = 0
+
+    def queue(self, stream, current, others=(), after=None, copies=(), to_host=True):
+        if self.failing and to_host == self.to_host and not self.failed:
+            self.failed += 1
+            raise RuntimeError(f"injected failure of a batch of {len(copies)} copies")
+        return self.real.queue(stream, current, others, after, copies, to_host)
+
+
+@scenario
+def a_copy_batch_that_fails_leaves_every_block_where_it_was() -> None:
+    """A page-out or prefetch batch whose copies fail to queue (here in the forward) raises, and
+    loses nothing: training on after it ends bit for bit where the same training without the
+    failed step and without a limit does."""
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
+    expected = reference(steps=4)
+    limit = expected[2] // 2 + EXPANDABLE_STEP
+    for to_host in (True, False):
+        got = _train_through_a_failed_batch(limit, to_host)
+        print(f"to_host={to_host}: trained on after the failed batch")
+        check_same_training(expected, got)
+
+
+def _train_through_a_failed_batch(limit: int, to_host: bool):
+    """Two steps, one whose forward fails a copy batch of the direction `to_host`, two more:
+    the losses of the four that ran and the parameters after them."""
+    import torch
+
+    import torch_uvm_saver as tus
+
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    session = tus.lms_session(limit, [model], [optimizer])
+    failing = session._copies = _FailingCopies(session._copies, to_host)
+    model[0].register_forward_pre_hook(lambda *_: setattr(failing, "failing", failing.armed))
+    model[-1].register_forward_hook(lambda *_: setattr(failing, "failing", False))
+    losses = train(model, optimizer, session, steps=2)
+    failing.armed = True
+    expect_error(
+        RuntimeError, lambda: train(model, optimizer, session, steps=1), "injected failure"
+    )
+    failing.armed = failing.failing = False
+    assert failing.failed == 1, "no batch of that direction was queued in the forward"
+    losses += train(model, optimizer, session, steps=2)
+    session.close()
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
 def _sleep_on(stream) -> None:
     import torch
 

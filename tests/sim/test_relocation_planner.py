@@ -171,6 +171,41 @@ def test_a_failed_prefetch_leaves_the_block_out_and_caps_the_position():
     assert p.before_use([3]) == ([], [3], [])  # on demand instead
 
 
+def test_a_failed_page_out_leaves_the_block_resident_and_uncounted():
+    p = planner(6 * KB)
+    p.add(1, 3 * KB, True)
+    p.add(2, 3 * KB, True)
+    p.before_use([1])
+    p.add(3, 3 * KB, True)
+    assert p.before_use([3]) == ([2], [], [])
+    p.pageout_failed(2)  # its copy could not be queued: its bytes never left the device
+    assert not p.is_out(2) and p.resident_bytes == 9 * KB
+    assert p.counters()["pageout_count"] == 0 and p.counters()["pageout_bytes"] == 0
+    # Over the budget now: the next use pages out again, and reading 2 needs no page-in.
+    page_out, page_in, _ = p.before_use([2])
+    assert page_in == [] and 2 not in page_out and page_out
+    assert p.resident_bytes <= 6 * KB
+    p.pageout_failed(2)  # resident already: nothing changes
+    p.pageout_failed(99)  # not the planner's: nothing changes
+    assert p.resident_bytes <= 6 * KB
+
+
+def test_a_failed_page_out_ahead_is_uncounted_from_the_ahead_counters_too():
+    p = ahead_planner()
+    for _ in range(2):
+        ahead_iteration(p)
+    p.before_use([1])
+    page_out, _, _ = p.before_use([2])  # 1 goes out ahead, right after its read
+    assert page_out == [1] and p.counters()["ahead_pageout_count"] > 0
+    before = p.counters()
+    p.pageout_failed(1)
+    after = p.counters()
+    assert after["ahead_pageout_count"] == before["ahead_pageout_count"] - 1
+    assert after["ahead_pageout_bytes"] == before["ahead_pageout_bytes"] - KB
+    assert after["pageout_bytes"] == before["pageout_bytes"] - KB
+    assert not p.is_out(1)
+
+
 def test_prefetch_waste_is_counted_when_evicted_before_its_read():
     p = planner(2 * KB, depth=8)
     for block in (1, 2, 3):

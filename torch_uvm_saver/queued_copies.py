@@ -1,0 +1,86 @@
+"""The LMS session's page-out and prefetch copies of a batch, queued on a stream in one call.
+
+Note [Copies queued in one call]
+    A GPT-2 medium step at 4x pages in about 390 batches of one or two storages each, on the
+    session's own streams, and the step's pace is the host's (it queued a step in 0.20-0.22 s
+    where the device needed about 0.16). Through PyTorch each batch cost the host a hand-over
+    (an event recorded, a wait queued), a switch of the current stream and back, and per
+    storage a wait for the copy it must follow and a ``copy_`` (12 us each on an H200), about
+    80 us a batch. Queued natively (``_C.queue_relocation_copies``: the driver's
+    ``cuEventRecord``, ``cuStreamWaitEvent`` and ``cuMemcpy*Async``, the GIL held) the batch
+    is one call with the addresses PyTorch gives: no current stream changes, no tensor is
+    made. What stays in Python is what PyTorch's allocator must see: ``resize_`` of each
+    storage and ``record_stream`` of each block its copy reads or writes.
+    What that buys a step was not separated from the lent machines' noise: their virtual CPUs
+    ran the same Python loop 2x apart, by CPU and over time, and the steps are the host's
+    (benchmarks/results/lms_host_speed_and_native_copies_NVIDIA_H200.txt). In three rounds of
+    alternating processes at GPT-2 medium 4x, the first pair queued its steps in 0.187 s
+    against 0.206 s through PyTorch's calls; the later pairs ran on slower or faster CPUs.
+    The native path needs the process driver to be CUDA's (it is, unless a test installed the
+    simulated one while a GPU is present); otherwise PyTorch's calls queue the same work.
+    A driver error stops a batch at the copy it names, and the session loses nothing: a
+    page-out batch resizes no storage before it is queued, and on an error tells the planner
+    that its blocks are still resident (RelocationPlanner::pageout_failed); a prefetch batch
+    gives the device memory it took back, its blocks out again with their bytes on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from .stream_handover import Handover, switched
+
+__all__ = ["CopyQueue"]
+
+
+class CopyQueue:
+    """Queues copies between device storages' bytes and pinned host buffers on one stream."""
+
+    __slots__ = ("_device", "_driver", "_event", "_handover", "native")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device.index
+        driver = _C.get_driver()
+        self.native = driver.name == "cuda"
+        self._driver = driver
+        self._handover = Handover()
+        # torch makes an event's CUDA object at its first record: one record here gives the
+        # native calls a handle to record again.
+        self._event = self._handover.event
+        self._event.record(torch.cuda.current_stream(device))
+
+    def queue(
+        self,
+        stream: torch.cuda.Stream,
+        current: torch.cuda.Stream,
+        others: tuple = (),
+        after: list[torch.cuda.Event] | None = None,
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = (),  # type: ignore[assignment]
+        to_host: bool = True,
+    ) -> None:
+        """Queues each (device bytes, host buffer) copy of `copies` on `stream`, `to_host` or
+        back, after what `current` and `others` have queued and after each event of `after`."""
+        after = after or []
+        if self.native:
+            _C.queue_relocation_copies(
+                self._driver,
+                self._device,
+                stream.cuda_stream,
+                self._event.cuda_event,
+                [current.cuda_stream] + [other.cuda_stream for other in others],
+                [event.cuda_event for event in after],
+                [(device.data_ptr(), host.data_ptr(), device.numel()) for device, host in copies],
+                to_host,
+            )
+            return
+        for waited in (current, *others):
+            self._handover.wait_for(stream, waited)
+        for event in after:
+            stream.wait_event(event)
+        with switched(stream, current):
+            for device, host in copies:
+                if to_host:
+                    host.copy_(device, non_blocking=True)
+                else:
+                    device.copy_(host, non_blocking=True)
