@@ -1023,9 +1023,9 @@ class LmsSession:
             return
         if not self._cuda:
             for block in blocks:
-                moving = self._page_out_without_copy(block, ())
-                if moving is not None:
-                    entry, storage = moving
+                found = self._page_out_without_copy(block, ())
+                if found is not None:
+                    entry, storage = found
                     device_bytes = entry.device_bytes(storage)
                     if entry.host is None:
                         entry.host = device_bytes.clone()

@@ -54,14 +54,13 @@ class CopyQueue:
         self,
         stream: torch.cuda.Stream,
         current: torch.cuda.Stream,
-        others: tuple = (),
-        after: list[torch.cuda.Event] | None = None,
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = (),  # type: ignore[assignment]
-        to_host: bool = True,
+        others: tuple,
+        after: list[torch.cuda.Event],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
     ) -> None:
         """Queues each (device bytes, host buffer) copy of `copies` on `stream`, `to_host` or
         back, after what `current` and `others` have queued and after each event of `after`."""
-        after = after or []
         if self.native:
             _C.queue_relocation_copies(
                 self._driver,

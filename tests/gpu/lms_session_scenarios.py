@@ -773,7 +773,7 @@ class _FailingCopies:
         self.armed = self.failing = False
         self.failed = 0
 
-    def queue(self, stream, current, others=(), after=None, copies=(), to_host=True):
+    def queue(self, stream, current, others, after, copies, to_host):
         if self.failing and to_host == self.to_host and not self.failed:
             self.failed += 1
             raise RuntimeError(f"injected failure of a batch of {len(copies)} copies")
