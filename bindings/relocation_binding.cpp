@@ -103,20 +103,22 @@ void bind_relocation(py::module_& module) {
          const std::vector<std::uintptr_t>& after_events,
          const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>>& copies,
          bool to_host) {
+        // StreamHandle and EventHandle are both void*.
         auto handle = [](std::uintptr_t raw) { return reinterpret_cast<void*>(raw); };
-        std::vector<StreamHandle> streams;
-        streams.reserve(after_streams.size());
-        for (std::uintptr_t raw : after_streams) streams.push_back(handle(raw));
-        std::vector<EventHandle> events;
-        events.reserve(after_events.size());
-        for (std::uintptr_t raw : after_events) events.push_back(handle(raw));
+        auto handles = [&](const std::vector<std::uintptr_t>& raws) {
+          std::vector<void*> out;
+          out.reserve(raws.size());
+          for (std::uintptr_t raw : raws) out.push_back(handle(raw));
+          return out;
+        };
         std::vector<RelocationCopy> batch;
         batch.reserve(copies.size());
         for (const auto& [device_ptr, host_ptr, size] : copies) {
           batch.push_back(RelocationCopy{device_ptr, handle(host_ptr), size});
         }
-        queue_relocation_copies(driver, device, handle(stream), handle(handover), streams, events,
-                                batch, to_host ? CopyDirection::kToHost : CopyDirection::kToDevice);
+        queue_relocation_copies(driver, device, handle(stream), handle(handover),
+                                handles(after_streams), handles(after_events), batch,
+                                to_host ? CopyDirection::kToHost : CopyDirection::kToDevice);
       },
       py::arg("driver"), py::arg("device"), py::arg("stream"), py::arg("handover"),
       py::arg("after_streams"), py::arg("after_events"), py::arg("copies"), py::arg("to_host"),

@@ -37,18 +37,16 @@ __all__ = ["CopyQueue"]
 class CopyQueue:
     """Queues copies between device storages' bytes and pinned host buffers on one stream."""
 
-    __slots__ = ("_device", "_driver", "_event", "_handover", "native")
+    __slots__ = ("_device", "_driver", "_handover", "native")
 
     def __init__(self, device: torch.device) -> None:
         self._device = device.index
-        driver = _C.get_driver()
-        self.native = driver.name == "cuda"
-        self._driver = driver
+        self._driver = _C.get_driver()
+        self.native = self._driver.name == "cuda"
         self._handover = Handover()
         # torch makes an event's CUDA object at its first record: one record here gives the
         # native calls a handle to record again.
-        self._event = self._handover.event
-        self._event.record(torch.cuda.current_stream(device))
+        self._handover.event.record(torch.cuda.current_stream(device))
 
     def queue(
         self,
@@ -66,7 +64,7 @@ class CopyQueue:
                 self._driver,
                 self._device,
                 stream.cuda_stream,
-                self._event.cuda_event,
+                self._handover.event.cuda_event,
                 [current.cuda_stream] + [other.cuda_stream for other in others],
                 [event.cuda_event for event in after],
                 [(device.data_ptr(), host.data_ptr(), device.numel()) for device, host in copies],
