@@ -380,7 +380,10 @@ def out_of_memory_inside_an_operator_is_retried() -> None:
 
 
 def cached_and_free(address: int) -> bool:
-    """Whether `address` lies in a block that PyTorch's caching allocator holds free."""
+    """Whether `address` lies in a block that PyTorch's caching allocator holds free, or will
+    once the events it waits on are processed: a block freed behind `record_stream` (as a
+    paged-out storage's is) stays "active_pending_free" until the allocator's next `malloc`
+    finds its events done, and a later request may then take it."""
     import torch
 
     for segment in torch.cuda.memory_snapshot():
@@ -389,7 +392,7 @@ def cached_and_free(address: int) -> bool:
             continue
         for block in segment["blocks"]:
             if offset < block["size"]:
-                return block["state"] == "inactive"
+                return block["state"] in ("inactive", "active_pending_free")
             offset -= block["size"]
     return False
 
@@ -397,7 +400,9 @@ def cached_and_free(address: int) -> bool:
 def hold_address(address: int, piece: int = 1 << 20, most: int = 512) -> list:
     """Float tensors of `piece` elements (4 MiB) taken while `address` lies in a free cached
     block: the caching allocator gives a request the best-fitting free block, so which block one
-    allocation takes is not ours to choose, but pieces taken until none is free there are."""
+    allocation takes is not ours to choose, but pieces taken until none is free there are. Each
+    `malloc` processes the finished events first, so a pending block turns free on the next piece
+    (the caller synchronizes before holding)."""
     import torch
 
     held = []
