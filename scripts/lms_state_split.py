@@ -25,7 +25,9 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         included, how the session watched it, its resident bytes and the budget there, and
         PyTorch's allocated and reserved bytes: residency_line(); --probe trend: a line a
         step, warm-up included, its time, allocator retries and what the session's counters
-        did in it: trend_line())
+        did in it: trend_line(); --probe alternate: the configuration's switches are left off
+        for the warm-up and the timed steps, then turned on and off on alternate steps over 2
+        x --steps more, both sides' medians printed: print_alternating())
 
 A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
@@ -81,6 +83,7 @@ PROBES = (
     "retries",
     "residency",
     "trend",
+    "alternate",
 )
 # --one without a session: plain checkpointing (the baseline); with the sessions' optimizer (in
 # parameter groups) stepping after the backward (groups); and stepping in it (overlap:
@@ -103,13 +106,15 @@ COUNTED = (  # the session's counters reported per step
     "near_misses",
 )
 # A configuration may end in switches for A/B runs on one build ("helper,1+clear+nomiss"):
-# clear empties autocast's cache after each module (Note [Autocast's cast cache]); nomiss turns
+# clear empties autocast's cache after each module in every iteration and events in the
+# iterations watched by events only, where the session's default keeps it (Note [Autocast's
+# cast cache]); nomiss turns
 # the caps that recorded iterations learn from near misses off (Note [Near misses]); inplace
 # makes every optimizer step read the host's state in place instead of staging it (Note
 # [Staging the state on the host]); noahead turns the planner's paging out ahead off (Note
 # [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
 # in one native call a batch (Note [Copies queued in one call]).
-SWITCHES = ("clear", "nomiss", "inplace", "noahead", "pycopies")
+SWITCHES = ("clear", "events", "nomiss", "inplace", "noahead", "pycopies")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -501,6 +506,134 @@ def print_host_times(one, steps: int) -> None:
         )
 
 
+def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) -> list:
+    """For the probe "alternate": a function a switch of `switches` that turns it on (True) or
+    off (False) between two steps of one process. Staging in place (inplace) changes what the
+    session holds and is not turned off mid-run."""
+    import torch_uvm_saver.autocast_cache as autocast_cache
+
+    if "inplace" in switches:
+        raise ValueError("the probe alternate cannot turn the switch inplace off and on")
+    toggles = []
+    if "pycopies" in switches:
+        toggles.append(lambda on: setattr(session._copies, "native", not on))
+    if "noahead" in switches:
+        toggles.append(lambda on: setattr(session._planner, "page_out_ahead", not on))
+    if "nomiss" in switches:
+        check = session._check_margin
+        toggles.append(
+            lambda on: setattr(session, "_check_margin", (lambda: None) if on else check)
+        )
+    if "clear" in switches or "events" in switches:
+        # The session keeps autocast's cache (run_one): the hooks here clear it while the
+        # switch is on, in every iteration (clear) or in those replayed from the record.
+        if "clear" in switches and "events" in switches:
+            raise ValueError("the switches clear and events contradict each other")
+        handles: list = []
+        replayed = None
+        if "events" in switches:
+            if session._events is None:
+                raise ValueError("the switch events needs a session watched by modules")
+            replayed = lambda: session._events.replaying  # noqa: E731
+
+        def clear(on: bool) -> None:
+            while handles:
+                handles.pop().remove()
+            if on:
+                handles.extend(
+                    autocast_cache.clear_after_each_module([model], "cuda", when=replayed)
+                )
+
+        toggles.append(clear)
+    return toggles
+
+
+def autocast_clearing(switches: frozenset[str]) -> bool | str:
+    """The session's clear_autocast_cache for these switches: True with clear, "events" with
+    events, the default (False) otherwise."""
+    if "clear" in switches and "events" in switches:
+        raise ValueError("the switches clear and events contradict each other")
+    if "clear" in switches:
+        return True
+    if "events" in switches:
+        return "events"
+    return False
+
+
+def print_alternating(
+    one, session, toggles: list, steps: int, queued: list[float], synchronize=torch.cuda.synchronize
+) -> None:
+    """Runs 2 x `steps` steps, the switches of `toggles` off and on on alternate steps, and
+    prints for each side the median step, the time the host took to queue it, PyTorch's
+    allocator retries and the host time inside the session's page-out and prefetch batches.
+    Alternating a step at a time in one process keeps the lent machines' CPU speed, which
+    drifts from process to process and over minutes, out of the comparison."""
+    import collections
+    import functools
+
+    owner = type(session)
+    spent: collections.Counter = collections.Counter()
+    names = ("_page_out_all", "_prefetch_all")
+    reals = {name: getattr(owner, name) for name in names}
+
+    def timed(real):
+        @functools.wraps(real)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[real.__name__] += time.perf_counter() - start
+
+        return wrapper
+
+    def retries() -> int:
+        return (
+            torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            if torch.cuda.is_available()
+            else 0
+        )
+
+    for name, real in reals.items():
+        setattr(owner, name, timed(real))
+    rows: dict[bool, list[tuple[float, ...]]] = {False: [], True: []}
+    try:
+        for i in range(2 * steps):
+            on = i % 2 == 1
+            for toggle in toggles:
+                toggle(on)
+            spent.clear()
+            retried = retries()
+            synchronize()
+            start = time.perf_counter()
+            one()
+            synchronize()
+            seconds = time.perf_counter() - start
+            rows[on].append(
+                (
+                    seconds,
+                    queued[-1] - start,
+                    retries() - retried,
+                    spent["_page_out_all"],
+                    spent["_prefetch_all"],
+                )
+            )
+    finally:
+        for name, real in reals.items():
+            setattr(owner, name, real)
+        for toggle in toggles:
+            toggle(False)
+    print("switches step s   queued s   retries   page-out batches ms   prefetch batches ms")
+    for on in (False, True):
+        step_s, queued_s, retried, out_s, in_s = (
+            statistics.median(column) for column in zip(*rows[on], strict=True)
+        )
+        print(
+            f"{'on' if on else 'off':8s} {step_s:6.3f}   {queued_s:8.3f}   {retried:7g}   "
+            f"{out_s * 1e3:19.1f}   {in_s * 1e3:19.1f}"
+        )
+
+
 TREND = (  # the session's counters a --probe trend line shows: (key, label, in GB)
     ("pageout_bytes", "out", True),
     ("prefetch_bytes", "ahead", True),
@@ -608,6 +741,10 @@ def run_one(
     planner_log: list = []
     if probe == "plans":
         log_planner_calls(planner_log)
+    toggles: list = []
+    alternated: frozenset[str] = frozenset()
+    if probe == "alternate":  # the switches go on and off after the timed steps
+        alternated, switches = switches, frozenset()
     if not no_session:
         placement = (
             tus.suggest_placement([model], [optimizer], limit, gradients_freed=free)[
@@ -624,7 +761,10 @@ def run_one(
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,
-            clear_autocast_cache="clear" in switches,
+            # Alternated, the probe's hooks do the clearing (switch_toggles)
+            clear_autocast_cache=(
+                False if alternated & {"clear", "events"} else autocast_clearing(switches)
+            ),
         )
         if "nomiss" in switches:
             session._check_margin = lambda: None
@@ -634,6 +774,8 @@ def run_one(
             session._planner.page_out_ahead = False
         if "pycopies" in switches:
             session._copies.native = False
+        if probe == "alternate":
+            toggles = switch_toggles(session, model, alternated)
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
         tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
     torch.cuda.reset_peak_memory_stats()
@@ -743,6 +885,8 @@ def run_one(
         print_operator_times(one, steps, session is not None)
     if probe == "host":
         print_host_times(one, steps)
+    if probe == "alternate" and session is not None:
+        print_alternating(one, session, toggles, steps, queued)
     if probe == "threads":
         from thread_cpu import cpu_per_step, print_cpu_per_step
 

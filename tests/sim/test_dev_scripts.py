@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -414,6 +415,110 @@ def test_a_trend_line_says_what_the_host_did_in_the_step():
         "step  5 timed   0.250 s, 0 retries, queued 0.200 s, cpu 0.190+0.015 s, "
         "preempted 3, steal 0.04 s"
     )
+
+
+class _Clock:
+    """A perf_counter that moves only when told: the alternating probe's figures are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_alternating_probe_puts_each_side_in_its_own_steps_and_turns_the_switch_off(
+    monkeypatch, capsys
+):
+    clock = _Clock()
+    monkeypatch.setattr(lms_state_split, "time", clock)
+
+    class FakeSession:
+        def __init__(self) -> None:
+            self.fast = True
+            self.sides: list[bool] = []
+
+        def _page_out_all(self, blocks) -> None:
+            clock.now += 0.002 if self.fast else 0.006
+
+        def _prefetch_all(self, blocks) -> None:
+            clock.now += 0.001 if self.fast else 0.004
+
+    session = FakeSession()
+    real_methods = (FakeSession._page_out_all, FakeSession._prefetch_all)
+    queued: list[float] = []
+
+    def one() -> None:
+        session.sides.append(session.fast)
+        session._page_out_all([])
+        session._prefetch_all([])
+        clock.now += 0.1
+        queued.append(clock.now)
+        clock.now += 0.01  # the device's tail after the host queued the step
+
+    toggles = [lambda on: setattr(session, "fast", not on)]
+    lms_state_split.print_alternating(one, session, toggles, 3, queued, synchronize=lambda: None)
+    lines = capsys.readouterr().out.splitlines()
+    assert session.sides == [True, False] * 3
+    assert session.fast is True  # left off
+    assert (FakeSession._page_out_all, FakeSession._prefetch_all) == real_methods
+    assert lines[1].split() == ["off", "0.113", "0.103", "0", "2.0", "1.0"]
+    assert lines[2].split() == ["on", "0.120", "0.110", "0", "6.0", "4.0"]
+
+
+def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
+    sys.path.insert(0, str(ROOT / "tests" / "sim"))
+    from lms_training import make_model, session_for
+
+    model, optimizer = make_model()
+    # As run_one makes it for the probe: the autocast switches' hooks are the probe's own.
+    session = session_for(model, optimizer, watch="modules", clear_autocast_cache=False)
+    session._copies = SimpleNamespace(native=True)  # a CPU session queues no copies
+    check = session._check_margin
+    owners = sum(next(m.parameters(recurse=False), None) is not None for m in model.modules())
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    before = hooks()
+    toggles = lms_state_split.switch_toggles(
+        session, model, frozenset({"pycopies", "noahead", "nomiss", "clear"})
+    )
+    for toggle in toggles:
+        toggle(True)
+    assert session._copies.native is False
+    assert session._planner.page_out_ahead is False
+    assert session._check_margin is not check
+    assert hooks() == before + owners  # clearing in every iteration
+    for toggle in toggles:
+        toggle(False)
+    assert session._copies.native is True
+    assert session._planner.page_out_ahead is True
+    assert session._check_margin == check
+    assert hooks() == before  # the cache kept, as the session's default
+    (events,) = lms_state_split.switch_toggles(session, model, frozenset({"events"}))
+    events(True)
+    assert hooks() == before + owners
+    events(False)
+    assert hooks() == before
+    for refused, says in (({"inplace"}, "inplace"), ({"clear", "events"}, "contradict")):
+        with pytest.raises(ValueError, match=says):
+            lms_state_split.switch_toggles(session, model, frozenset(refused))
+    session.close()
+
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="operators", clear_autocast_cache=False)
+    with pytest.raises(ValueError, match="watched by modules"):
+        lms_state_split.switch_toggles(session, model, frozenset({"events"}))
+    session.close()
+
+
+def test_the_autocast_switches_pick_the_sessions_clearing():
+    assert lms_state_split.autocast_clearing(frozenset()) is False
+    assert lms_state_split.autocast_clearing(frozenset({"clear", "nomiss"})) is True
+    assert lms_state_split.autocast_clearing(frozenset({"events"})) == "events"
+    with pytest.raises(ValueError, match="contradict"):
+        lms_state_split.autocast_clearing(frozenset({"clear", "events"}))
 
 
 def test_the_host_clock_moves_with_the_cpu_this_process_spends():
