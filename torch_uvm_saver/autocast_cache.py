@@ -15,7 +15,8 @@ Note [Autocast's cast cache]
 
     With checkpointing the copies buy nothing: the backward recomputes each layer and casts
     again inside the recomputation's own autocast block. With ``clear_autocast_cache=True`` the
-    session empties the cache each time a module that owns parameters finishes its forward. A
+    session empties the cache each time a module that owns parameters finishes its forward;
+    with ``"events"``, only in the iterations watched by events (below). A
     copy still in use stays alive through its own references (an input saved for the
     backward, an output); only the cache's reference goes. The price is a second cast where
     one module's parameters are read again later in the same forward (shared layers, a loop
@@ -40,16 +41,31 @@ Note [Autocast's cast cache]
     (Note [Watching by events] in lms_events.py). Freeing the copies took away the
     out-of-memory error that taught the planner its margin at the loss. A recorded iteration
     now learns from a near miss as well (Note [Near misses] in lms_session.py), and with it the
-    3x processes train. The option stays off by default because it saves no time: on one H200,
-    processes in turn, 0.199 s against 0.193 s at 3x (two each) and 0.240 s against 0.222 s at
-    4x (three each, 0.213-0.250 against 0.211-0.239), the one retry fewer a step at 4x
-    notwithstanding. With ``watch="operators"`` an operator that runs out of memory is paged
+    3x processes train. With ``watch="operators"`` an operator that runs out of memory is paged
     for and run again.
+
+    Processes in turn could not say whether it saves time (one H200: 0.199 s against 0.193 s
+    at 3x, 0.240 s against 0.222 s at 4x): the lent machines' CPUs differ by more than that.
+    Turned on and off on alternate steps of one process (``scripts/lms_state_split.py --probe
+    alternate``, iterations replayed from a record made with the cache kept), they can, one
+    H200: at 4x 0.210 s with it against 0.223 s without, one allocator retry a step against
+    two; at 3x 0.207 against 0.206 s, one retry either way. ``clear_autocast_cache="events"``
+    does exactly that: the recorded iteration keeps the cache, as the user's code would, so
+    the margins it teaches (Note [Near misses]) were learned holding more than the iterations
+    that replay it hold. In the benchmark (a build with it on by default, three processes a
+    column, one H200) the 4x column ran no allocator retry in its median process and 0.209 s,
+    0.80x of checkpointing's 0.167 s; at 3x 0.256 s (processes 0.220-0.275 s, one retry each,
+    0.65x), where its earlier runs read 0.19-0.20 s; on that machine, alternating it in one
+    process at 3x gave 0.234 s with it against 0.247 s without, and at GPT-2 XL 2x and 3x no
+    difference (0.387 against 0.391 s, 0.745 against 0.731 s). It stays off by default: a
+    small model watched by modules with checkpointing, autocast and "events", at three
+    quarters of its checkpointed peak, ran out of memory in the backward of a replayed
+    iteration (tests/gpu, one H200), and the same run without it was not made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -57,15 +73,19 @@ import torch
 from .module_walk import each_module_once
 
 
-def clear_after_each_module(modules: Iterable[torch.nn.Module], device_type: str) -> list[Any]:
+def clear_after_each_module(
+    modules: Iterable[torch.nn.Module],
+    device_type: str,
+    when: Callable[[], bool] | None = None,
+) -> list[Any]:
     """Hooks every module in `modules` (and below) that owns parameters so that autocast's
-    cache is emptied after its forward while autocast is on for `device_type`; the hooks'
-    handles."""
+    cache is emptied after its forward while autocast is on for `device_type` (and, given
+    `when`, while it returns True); the hooks' handles."""
     is_enabled = torch.is_autocast_enabled
     clear = torch.clear_autocast_cache
 
     def after_forward(*_: object) -> None:
-        if is_enabled(device_type):
+        if is_enabled(device_type) and (when is None or when()):
             clear()
 
     return [

@@ -189,6 +189,12 @@ class EventWatch:
         return self.mode is ACT
 
     @property
+    def replaying(self) -> bool:
+        """Whether this iteration runs on the record (its operators unwatched, or watched again
+        from where it left the record)."""
+        return self.mode is ACT or self.mode is DEVIATED
+
+    @property
     def watches_operators(self) -> bool:
         """Whether the iteration about to begin runs under the dispatch mode."""
         return self._needs_recording or self._recorded is None

@@ -268,8 +268,10 @@ def lms_session(
     hooks and autograd's events, which costs the host far less: Note [Watching by events] in
     lms_events.py says what that assumes); ``clear_autocast_cache``, whether autocast's cache of
     low-precision weight copies is emptied after each of ``modules``' modules that owns
-    parameters runs its forward (default False: Note [Autocast's cast cache] in
-    autocast_cache.py says what it frees and why it is off).
+    parameters runs its forward: False (default: never), True (every iteration) or "events"
+    (in the iterations watched by events, not in the one recorded for them: with
+    watch="modules" only); Note [Autocast's cast cache] in autocast_cache.py says what it frees,
+    what it saves and why it is off by default.
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -413,7 +415,7 @@ class LmsSession:
         expandable_segments: bool = True,
         optimizer_state: str | list[dict[str, Any]] = "device",
         watch: str = "operators",
-        clear_autocast_cache: bool = False,
+        clear_autocast_cache: bool | str = False,
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -429,9 +431,6 @@ class LmsSession:
         expandable_segments = _C.check_flag(
             "lms_session", "expandable_segments", expandable_segments
         )
-        clear_autocast_cache = _C.check_flag(
-            "lms_session", "clear_autocast_cache", clear_autocast_cache
-        )
         if limit <= 0:
             raise InvalidArgumentError(f"lms_session: the limit must be > 0 bytes, got {limit}")
         if budget is not None and not 0 < budget <= limit:
@@ -444,6 +443,7 @@ class LmsSession:
             raise InvalidArgumentError(
                 f"lms_session: watch must be one of {', '.join(WATCH_MODES)}, got {watch!r}"
             )
+        _check_clearing(clear_autocast_cache, watch)
         self.device = _resolve_device(device)
         self.limit = int(limit)
         self.min_bytes = int(min_bytes)
@@ -462,7 +462,7 @@ class LmsSession:
         self._closed = False
         self._quiet_allowed = bool(quiet)
         self._expandable = bool(expandable_segments)
-        self._clear_autocast_cache = bool(clear_autocast_cache)
+        self._clear_autocast_cache = clear_autocast_cache  # True, False or "events"
         self._optimizers = list(optimizers)
         modules = list(modules)
         if isinstance(optimizer_state, str) and optimizer_state == "auto":
@@ -520,8 +520,13 @@ class LmsSession:
         if watch == "modules":
             self._events = EventWatch(self, modules)
             self._handles.extend(self._events.handles)
-        if self._clear_autocast_cache:  # Note [Autocast's cast cache]
+        if self._clear_autocast_cache is True:  # Note [Autocast's cast cache]
             self._handles.extend(clear_after_each_module(modules, self.device.type))
+        elif self._clear_autocast_cache == "events" and self._events is not None:
+            events = self._events  # the iterations that run on the record, not the recorded one
+            self._handles.extend(
+                clear_after_each_module(modules, self.device.type, when=lambda: events.replaying)
+            )
         if self._cuda:
             if self._expandable_segments_on():
                 self._move_out_of_fixed_segments()
@@ -1466,6 +1471,24 @@ def _describe_group(group: object) -> str:
     if isinstance(group, dict) and isinstance(group.get("params"), list):
         return f"a dict with {len(group['params'])} parameters"
     return f"{group!r:.80} ({type(group).__name__})"
+
+
+def _check_clearing(clear_autocast_cache: object, watch: str) -> None:
+    """clear_autocast_cache is True, False or "events", and "events" has events to go by."""
+    if not isinstance(clear_autocast_cache, (bool, str)) or clear_autocast_cache not in (
+        True,
+        False,
+        "events",
+    ):
+        raise TypeError(
+            'lms_session(clear_autocast_cache): expected True, False or "events", got '
+            f"{clear_autocast_cache!r}"
+        )
+    if clear_autocast_cache == "events" and watch != "modules":
+        raise InvalidArgumentError(
+            'lms_session: clear_autocast_cache="events" empties the cache in the iterations '
+            f'watched by events, which needs watch="modules"; got watch={watch!r}'
+        )
 
 
 def _refuse_unbounded_backend() -> None:

@@ -75,6 +75,48 @@ def test_autocast_weight_copies_live_only_through_their_module(clear):
     assert alive == ([False, False] if clear else [True])
 
 
+def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_record():
+    # Note [Autocast's cast cache]: with clear_autocast_cache="events", watched by modules, the
+    # recorded iteration runs as the user's code would (its margins are what the replayed ones
+    # keep); the iterations that replay it empty the cache after each module.
+    layer = torch.nn.Linear(256, 256)
+    model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
+    copies = []
+
+    class WatchCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0] is layer.weight:
+                copies.append(weakref.ref(out))
+            return out
+
+    def iterations() -> list[tuple[str, list[bool]]]:
+        session = tus.lms_session(
+            10**9,
+            [model],
+            device="cpu",
+            watch="modules",
+            min_bytes=1024,
+            quiet=False,
+            clear_autocast_cache="events",
+        )
+        seen = []
+        for _ in range(3):
+            copies.clear()
+            with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                with WatchCasts():
+                    model(torch.randn(4, 256))
+                seen.append((session._events.mode, [copy() is not None for copy in copies]))
+        session.close()
+        return seen
+
+    assert iterations() == [
+        ("record", [True]),
+        ("act", [False, False]),
+        ("act", [False, False]),
+    ]
+
+
 def test_views_and_storage_offsets_follow_the_storage():
     base = torch.arange(4096, dtype=torch.float32)
     view = base[1000:2000].view(10, 100)
