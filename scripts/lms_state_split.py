@@ -761,10 +761,8 @@ def run_one(
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,
-            # Alternated, the probe's hooks do the clearing (switch_toggles)
-            clear_autocast_cache=(
-                False if alternated & {"clear", "events"} else autocast_clearing(switches)
-            ),
+            # Alternated, the probe's hooks do the clearing (switch_toggles): switches is empty
+            clear_autocast_cache=autocast_clearing(switches),
         )
         if "nomiss" in switches:
             session._check_margin = lambda: None

@@ -522,7 +522,7 @@ class LmsSession:
             self._handles.extend(self._events.handles)
         if self._clear_autocast_cache is True:  # Note [Autocast's cast cache]
             self._handles.extend(clear_after_each_module(modules, self.device.type))
-        elif self._clear_autocast_cache == "events" and self._events is not None:
+        elif self._clear_autocast_cache == "events":  # watch="modules" (_check_clearing)
             events = self._events  # the iterations that run on the record, not the recorded one
             self._handles.extend(
                 clear_after_each_module(modules, self.device.type, when=lambda: events.replaying)

@@ -49,6 +49,21 @@ def test_checkpointing_hands_the_session_only_what_it_does_not_recompute():
     assert plain > 2 * checkpointed
 
 
+class _WatchCasts(TorchDispatchMode):
+    """Appends to `copies` a weak reference to each copy made of `weight` (autocast's casts)."""
+
+    def __init__(self, weight: torch.Tensor, copies: list) -> None:
+        super().__init__()
+        self.weight = weight
+        self.copies = copies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0] is self.weight:
+            self.copies.append(weakref.ref(out))
+        return out
+
+
 @pytest.mark.parametrize("clear", [True, False], ids=["cleared", "kept"])
 def test_autocast_weight_copies_live_only_through_their_module(clear):
     # Note [Autocast's cast cache]: one layer read twice in a forward. Autocast alone casts its
@@ -58,18 +73,11 @@ def test_autocast_weight_copies_live_only_through_their_module(clear):
     layer = torch.nn.Linear(256, 256)
     model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
     copies = []  # weak references to each low-precision copy of the weight made
-
-    class WatchCasts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and args[0] is layer.weight:
-                copies.append(weakref.ref(out))
-            return out
-
     session = tus.lms_session(10**9, [model], device="cpu", clear_autocast_cache=clear)
     # Without gradients nothing saves a copy for the backward: only the cache can hold one.
-    with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WatchCasts():
-        model(torch.randn(4, 256))
+    with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with _WatchCasts(layer.weight, copies):
+            model(torch.randn(4, 256))
         alive = [copy() is not None for copy in copies]
     session.close()
     assert alive == ([False, False] if clear else [True])
@@ -82,13 +90,6 @@ def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_rec
     layer = torch.nn.Linear(256, 256)
     model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
     copies = []
-
-    class WatchCasts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and args[0] is layer.weight:
-                copies.append(weakref.ref(out))
-            return out
 
     def iterations() -> list[tuple[str, list[bool]]]:
         session = tus.lms_session(
@@ -104,7 +105,7 @@ def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_rec
         for _ in range(3):
             copies.clear()
             with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                with WatchCasts():
+                with _WatchCasts(layer.weight, copies):
                     model(torch.randn(4, 256))
                 seen.append((session._events.mode, [copy() is not None for copy in copies]))
         session.close()
