@@ -32,8 +32,10 @@ __all__ = [
     "MiB",
     "default_output",
     "device_slug",
+    "host_python_ms",
     "log",
     "pyplot",
+    "python_loop_s",
     "run_marked_child",
     "summary",
     "timed",
@@ -59,6 +61,24 @@ def device_slug(name: str) -> str:
 def default_output(prefix: str, device_name: str, suffix: str) -> Path:
     """benchmarks/results/<prefix>_<device name with spaces as _><suffix>."""
     return RESULTS / f"{prefix}_{device_slug(device_name)}{suffix}"
+
+
+def python_loop_s() -> float:
+    """Seconds of a pure Python loop over a dict (what the interpreter does in a training
+    step): the same work on every machine, so its time is the host CPU's speed for Python."""
+    start = time.perf_counter()
+    table: dict[int, int] = {}
+    for i in range(200_000):
+        table[i & 1023] = table.get(i & 1023, 0) + i
+    return time.perf_counter() - start
+
+
+def host_python_ms(runs: int = 3) -> float:
+    """The best of `runs` python_loop_s() in milliseconds. The lent machines' virtual CPUs ran
+    it 22-47 ms, by CPU and over minutes (benchmarks/results/
+    lms_host_speed_and_native_copies_NVIDIA_H200.txt): beside a host-bound step's time, it says
+    how fast the CPU was that the process ran on."""
+    return min(python_loop_s() for _ in range(runs)) * 1e3
 
 
 def timed(function: Callable[[], Any]) -> float:

@@ -227,10 +227,19 @@ def combine_processes(results: list[dict]) -> dict:
         combined = dict(ran[(len(ran) - 1) // 2])
         combined["peak_bytes"] = max(r["peak_bytes"] for r in ran)
     combined["process_step_medians"] = [r["step_median_s"] for r in ran]
+    # Each process's host speed (the slower of its two readings), in the same order
+    combined["process_host_python_ms"] = [max(r.get("host_python_ms") or [0.0]) for r in ran]
     combined["processes"] = [
         {
             key: r.get(key)
-            for key in ("step_median_s", "step_s", "peak_bytes", "wall_s", "error")
+            for key in (
+                "step_median_s",
+                "step_s",
+                "host_python_ms",
+                "peak_bytes",
+                "wall_s",
+                "error",
+            )
             if r.get(key) is not None
         }
         for r in results

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from _bench_common import GiB, MiB, log, summary, timed
+from _bench_common import GiB, MiB, host_python_ms, log, summary, timed
 
 __all__ = [
     "BUDGET",
@@ -853,6 +853,8 @@ def train(column: str, args, result: dict) -> None:
     torch_before = torch_allocator_counters()
     if saved is not None:
         saved.bytes = 0
+    # The host CPU's speed for Python around the timed steps: host-bound steps follow it
+    host_ms = [host_python_ms()]
     times: list[float] = []
     optimizer_times: list[float] = []
     for i in range(args.steps):
@@ -869,6 +871,7 @@ def train(column: str, args, result: dict) -> None:
         if optimizer_s is not None:
             optimizer_times.append(optimizer_s)
         log(f"{column}: step {i + 1}/{args.steps}: {seconds:.3f} s, loss {loss:.4f}")
+    host_ms.append(host_python_ms())
     peak_steady = read_peaks(tus)
     after = tus_counters(tus) if tus is not None else {}
     session_after = session_stats(session) if session is not None else {}
@@ -887,6 +890,7 @@ def train(column: str, args, result: dict) -> None:
         tokens_per_step=tokens,
         tokens_per_s=tokens / step_median,
         optimizer_median_s=median(optimizer_times),
+        host_python_ms=host_ms,  # before and after the timed steps
         losses=losses,
         peak_bytes=max(peak_warmup["reserved"], peak_steady["reserved"]),
         peak_warmup=peak_warmup,

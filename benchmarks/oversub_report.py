@@ -215,6 +215,8 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
         "steps_timed": run.get("steps_timed"),
         "pin_parameters": run.get("pin_parameters"),
         "process_step_medians": run.get("process_step_medians"),
+        "process_host_python_ms": run.get("process_host_python_ms")
+        or ([max(run["host_python_ms"])] if run.get("host_python_ms") else None),
     }
     if column in LMS_COLUMNS:
         row["counters"] = {
@@ -599,6 +601,17 @@ def format_moved(row: dict) -> str:
     return f"{moved / 1e9:.1f}{mark}"
 
 
+def host_line(row: dict) -> str:
+    """Under a row: each process's step beside how fast its CPU ran Python (host_python_ms in
+    _bench_common.py), or "" where no process timed it."""
+    host = row.get("process_host_python_ms") or []
+    steps = row.get("process_step_medians") or [row["step_median_s"]]
+    if not any(host) or len(host) != len(steps):
+        return ""
+    pairs = ", ".join(f"{step:.3f} s / {ms:.0f} ms" for step, ms in zip(steps, host, strict=True))
+    return cut(f"    step / host loop: {pairs}")
+
+
 def cut(line: str) -> str:
     return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
 
@@ -657,12 +670,15 @@ def row_line(column: str, row: dict, group: dict) -> str:
     text = f"{line}  {'; '.join(note)}".rstrip()
     warning = row.get("warning")
     if not warning:
-        return cut(text)
-    if len(text) + len(warning) + 2 <= WIDTH:
-        return f"{text}{'; ' if note else '  '}{warning}"
-    # A warning with no room left on the row's line goes whole on the lines under it, not cut.
-    under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
-    return cut(text) + "\n" + under
+        lines = cut(text)
+    elif len(text) + len(warning) + 2 <= WIDTH:
+        lines = f"{text}{'; ' if note else '  '}{warning}"
+    else:
+        # A warning with no room left on the row's line goes whole on the lines under it.
+        under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
+        lines = cut(text) + "\n" + under
+    host = host_line(row)
+    return f"{lines}\n{host}" if host else lines
 
 
 def print_bandwidth(bandwidth: dict) -> None:
@@ -763,7 +779,9 @@ def print_report(data: dict) -> None:
         f"native| over the steps both ran (<= {LOSS_TOLERANCE}: bf16 noise). The peers "
         f"({', '.join(PEERS)}) run once without a limit and are compared with each limit. "
         "With --processes, a column's figures are its median process's (the step), its peak the "
-        "highest; the note gives the processes' range."
+        "highest; the note gives the processes' range. Host loop: the same pure Python loop "
+        "timed in each process around its timed steps (the slower reading; the lent machines' "
+        "CPUs ran it 22-47 ms): host-bound steps follow it."
     )
 
 

@@ -13,10 +13,15 @@ Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from _bench_common import python_loop_s  # the host-speed loop the benchmark uses
 
 GiB = 1 << 30
 WORK = (  # (key, name) of each host-only work timed
@@ -24,15 +29,6 @@ WORK = (  # (key, name) of each host-only work timed
     ("launches", "3,000 launches"),
     ("memory", "host memcpy 256 MiB"),
 )
-
-
-def python_work() -> float:
-    """A pure Python loop over dicts and lists (what the interpreter does in a training step)."""
-    start = time.perf_counter()
-    table: dict[int, int] = {}
-    for i in range(200_000):
-        table[i & 1023] = table.get(i & 1023, 0) + i
-    return time.perf_counter() - start
 
 
 def memory_copy(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -92,7 +88,7 @@ def main() -> None:
             torch.cuda.synchronize()
             streams = [] if condition == "idle" else busy(condition)
             time.sleep(0.02)  # the copies are under way
-            results[condition]["python"].append(python_work())
+            results[condition]["python"].append(python_loop_s())
             results[condition]["launches"].append(launches(x))
             results[condition]["memory"].append(memory_copy(a, b))
             still_copying[condition] += all(not s.query() for s in streams) and bool(streams)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -26,6 +28,7 @@ def child_result(step: float, peak_gib: float, tag: str) -> dict:
         "losses": [1.0],
         "tag": tag,
         "wall_s": 30.0,
+        "host_python_ms": [22.0, 24.0],
     }
 
 
@@ -76,6 +79,41 @@ def test_the_table_names_the_processes_range():
     row = make_row(combined, "lms-v2-overlap", 9 * GiB, None, native)
     assert row["step_median_s"] == 0.2
     assert "3 processes 0.190-0.250 s" in row_line("lms-v2-overlap", row, {})
+
+
+def test_the_table_says_how_fast_each_processs_cpu_ran_python():
+    results = [child_result(s, 8.0, str(s)) for s in (0.19, 0.25, 0.2)]
+    results[1]["host_python_ms"] = [38.5, 41.2]  # the slow process ran on a slow CPU
+    combined = bench.combine_processes(results)
+    assert combined["process_host_python_ms"] == [24.0, 24.0, 41.2]
+    assert [p["host_python_ms"] for p in combined["processes"]][1] == [38.5, 41.2]
+    native = {"step_median_s": 0.1, "tokens_per_step": 8192, "losses": [1.0]}
+    row = make_row(combined, "lms-v2-overlap", 9 * GiB, None, native)
+    lines = row_line("lms-v2-overlap", row, {}).splitlines()
+    assert "3 processes 0.190-0.250 s" in lines[0]
+    assert lines[1] == "    step / host loop: 0.190 s / 24 ms, 0.200 s / 24 ms, 0.250 s / 41 ms"
+    alone = make_row(child_result(0.2, 8.0, "one"), "lms-v2-overlap", 9 * GiB, None, native)
+    assert row_line("lms-v2-overlap", alone, {}).splitlines()[1] == (
+        "    step / host loop: 0.200 s / 24 ms"
+    )
+    earlier = make_row(  # a result from before host_python_ms: no line
+        {**child_result(0.2, 8.0, "old"), "host_python_ms": None},
+        "lms-v2-overlap",
+        9 * GiB,
+        None,
+        native,
+    )
+    assert len(row_line("lms-v2-overlap", earlier, {}).splitlines()) == 1
+
+
+def test_the_host_loop_is_the_same_work_and_its_best_run_is_kept(monkeypatch):
+    import _bench_common
+
+    readings = iter([0.040, 0.022, 0.031])
+    monkeypatch.setattr(_bench_common, "python_loop_s", lambda: next(readings))
+    assert _bench_common.host_python_ms(runs=3) == pytest.approx(22.0)
+    monkeypatch.undo()
+    assert 0 < _bench_common.python_loop_s() < 5.0  # it runs here, on this CPU
 
 
 def test_bytes_moved_count_the_state_staged_from_the_host_both_ways():
