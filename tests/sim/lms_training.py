@@ -31,24 +31,27 @@ def train(
     layers_at=None,
     fail_at=None,
     batch=256,
+    autocast=False,
 ):
     """Losses of `steps` iterations, each inside `session` when given. layers_at(step): how many
     blocks that step runs (all by default); the step numbered fail_at raises RuntimeError after
-    its forward, which is swallowed."""
+    its forward, which is swallowed; autocast: the forward and the loss under CPU bf16
+    autocast."""
     torch.manual_seed(1)
     x, y = torch.randn(batch, 128), torch.randn(batch, 128)
     losses = []
     for step in range(steps):
         failing = contextlib.suppress(RuntimeError) if step == fail_at else contextlib.nullcontext()
         with failing, session if session is not None else contextlib.nullcontext():
-            h = x
-            blocks = list(model)[: layers_at(step)] if layers_at else model
-            for block in blocks:
-                if checkpoint:
-                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-                else:
-                    h = block(h)
-            loss = torch.nn.functional.mse_loss(h, y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                h = x
+                blocks = list(model)[: layers_at(step)] if layers_at else model
+                for block in blocks:
+                    if checkpoint:
+                        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                    else:
+                        h = block(h)
+                loss = torch.nn.functional.mse_loss(h, y)
             if step == fail_at:
                 raise RuntimeError("the user's code fails mid-iteration")
             loss.backward()

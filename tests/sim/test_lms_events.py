@@ -60,6 +60,25 @@ def test_repeated_iterations_are_watched_by_events_and_train_bit_for_bit(checkpo
     assert all(count > 0 for count in pages[2:])
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["saved", "checkpointed"])
+def test_autocasts_copies_emptied_in_replayed_iterations_train_bit_for_bit(checkpoint):
+    # Note [Autocast's cast cache]: with clear_autocast_cache="events" the iterations replayed
+    # from the record cast each weight again where autocast would have kept its copy; the
+    # training is the same as with no session, paging under the budget all the while.
+    reference_model, reference_optimizer = make_model()
+    reference = train(
+        reference_model, reference_optimizer, steps=5, checkpoint=checkpoint, autocast=True
+    )
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="modules", clear_autocast_cache="events")
+    losses = train(model, optimizer, session, steps=5, checkpoint=checkpoint, autocast=True)
+    stats = session.stats()
+    session.close()
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
+    assert stats["event_iterations"] == 3 and stats["event_deviations"] == 0
+    assert stats["pageout_count"] > 0
+
+
 def test_a_near_miss_in_the_recorded_iteration_makes_the_next_ones_keep_a_margin_there():
     # Note [Near misses]: PyTorch's allocated bytes are faked to pass limit - limit / 16 once,
     # right after the last block of each recorded iteration (where a loss's buffers would be).
