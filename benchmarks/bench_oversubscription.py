@@ -197,6 +197,7 @@ from oversub_report import (
     report_only,
     run_key,
     signature,
+    slower_host_loop,
 )
 
 # What runs inside a child is in oversub_child.py, the reporting in oversub_report.py; this file
@@ -228,7 +229,7 @@ def combine_processes(results: list[dict]) -> dict:
         combined["peak_bytes"] = max(r["peak_bytes"] for r in ran)
     combined["process_step_medians"] = [r["step_median_s"] for r in ran]
     # Each process's host speed (the slower of its two readings), in the same order
-    combined["process_host_python_ms"] = [max(r.get("host_python_ms") or [0.0]) for r in ran]
+    combined["process_host_python_ms"] = [slower_host_loop(r) for r in ran]
     combined["processes"] = [
         {
             key: r.get(key)

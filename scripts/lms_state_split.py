@@ -462,11 +462,28 @@ HOST_TIMED = (  # (module, class or None, function): what the probe "host" times
 )
 
 
+def timed_into(real, label: str, spent, calls=None):
+    """`real`, wrapped to add the seconds of each call to spent[label] (and count it in
+    calls[label]): what the probes host and alternate put in place of a function."""
+    import functools
+
+    @functools.wraps(real)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - start
+            if calls is not None:
+                calls[label] += 1
+
+    return timed
+
+
 def print_host_times(one, steps: int) -> None:
     """The host time of each function in HOST_TIMED over `steps` steps, inclusive (a function
     called inside another counts in both), and the calls a step."""
     import collections
-    import functools
     import importlib
 
     spent: collections.Counter = collections.Counter()
@@ -477,16 +494,7 @@ def print_host_times(one, steps: int) -> None:
         owner = getattr(module, owner_name) if owner_name else module
         real = getattr(owner, name)  # AdamW's step: the hooked one, made by its first instance
         label = f"{owner_name or module_name}.{name}"
-
-        def timed(*args, _real=real, _label=label, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                spent[_label] += time.perf_counter() - start
-                calls[_label] += 1
-
-        setattr(owner, name, functools.wraps(real)(timed))
+        setattr(owner, name, timed_into(real, label, spent, calls))
         restore.append((owner, name, real))
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -569,23 +577,11 @@ def print_alternating(
     Alternating a step at a time in one process keeps the lent machines' CPU speed, which
     drifts from process to process and over minutes, out of the comparison."""
     import collections
-    import functools
 
     owner = type(session)
     spent: collections.Counter = collections.Counter()
     names = ("_page_out_all", "_prefetch_all")
     reals = {name: getattr(owner, name) for name in names}
-
-    def timed(real):
-        @functools.wraps(real)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                spent[real.__name__] += time.perf_counter() - start
-
-        return wrapper
 
     def retries() -> int:
         return (
@@ -595,7 +591,7 @@ def print_alternating(
         )
 
     for name, real in reals.items():
-        setattr(owner, name, timed(real))
+        setattr(owner, name, timed_into(real, name, spent))
     rows: dict[bool, list[tuple[float, ...]]] = {False: [], True: []}
     try:
         for i in range(2 * steps):

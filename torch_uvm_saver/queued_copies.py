@@ -11,11 +11,13 @@ Note [Copies queued in one call]
     is one call with the addresses PyTorch gives: no current stream changes, no tensor is
     made. What stays in Python is what PyTorch's allocator must see: ``resize_`` of each
     storage and ``record_stream`` of each block its copy reads or writes.
-    What that buys a step was not separated from the lent machines' noise: their virtual CPUs
-    ran the same Python loop 2x apart, by CPU and over time, and the steps are the host's
-    (benchmarks/results/lms_host_speed_and_native_copies_NVIDIA_H200.txt). In three rounds of
-    alternating processes at GPT-2 medium 4x, the first pair queued its steps in 0.187 s
-    against 0.206 s through PyTorch's calls; the later pairs ran on slower or faster CPUs.
+    What that buys, measured on alternate steps of one process (so that the lent machines'
+    CPUs, which ran the same Python loop 2x apart, cancel: lms_state_split.py --probe
+    alternate, benchmarks/results/lms_alternating_steps_NVIDIA_H200.txt), one H200: at GPT-2
+    medium 4x the batches took 7.0 + 6.9 ms of host time a step (page-out, prefetch) against
+    8.3 + 8.0 ms through PyTorch's calls, 2.4 ms of a 0.2 s step, and at GPT-2 XL 3x nothing.
+    The steps took as long either way. The batches are a small part of the host's step; the
+    native path is kept for its fewer calls and its checked failure paths.
     The native path needs the process driver to be CUDA's (it is, unless a test installed the
     simulated one while a GPU is present); otherwise PyTorch's calls queue the same work.
     A driver error stops a batch at the copy it names, and the session loses nothing: a

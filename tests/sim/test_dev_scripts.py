@@ -8,6 +8,7 @@ CPU time is charged to (thread_cpu.py), how rounds of processes make one row a c
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import sys
@@ -464,6 +465,26 @@ def test_the_alternating_probe_puts_each_side_in_its_own_steps_and_turns_the_swi
     assert (FakeSession._page_out_all, FakeSession._prefetch_all) == real_methods
     assert lines[1].split() == ["off", "0.113", "0.103", "0", "2.0", "1.0"]
     assert lines[2].split() == ["on", "0.120", "0.110", "0", "6.0", "4.0"]
+
+
+def test_a_timed_function_answers_as_before_and_adds_each_call_to_its_label(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(lms_state_split, "time", clock)
+
+    def work(x: int) -> int:
+        """Doubles x."""
+        clock.now += 0.5
+        if x < 0:
+            raise ValueError("negative")
+        return 2 * x
+
+    spent: dict = collections.Counter()
+    calls: dict = collections.Counter()
+    timed = lms_state_split.timed_into(work, "work", spent, calls)
+    assert timed(3) == 6 and timed.__name__ == "work"
+    with pytest.raises(ValueError, match="negative"):
+        timed(-1)  # a call that raises is timed and counted too
+    assert spent == {"work": 1.0} and calls == {"work": 2}
 
 
 def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
