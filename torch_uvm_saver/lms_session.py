@@ -268,10 +268,10 @@ def lms_session(
     hooks and autograd's events, which costs the host far less: Note [Watching by events] in
     lms_events.py says what that assumes); ``clear_autocast_cache``, whether autocast's cache of
     low-precision weight copies is emptied after each of ``modules``' modules that owns
-    parameters runs its forward: False (default: never), True (every iteration) or "events"
-    (in the iterations watched by events, not in the one recorded for them: with
-    watch="modules" only); Note [Autocast's cast cache] in autocast_cache.py says what it frees,
-    what it saves and why it is off by default.
+    parameters runs its forward: False (never), True (every iteration), "events" (in the
+    iterations watched by events, not in the one recorded for them: with watch="modules" only)
+    or "auto" (default: "events" with watch="modules", False otherwise); Note [Autocast's cast
+    cache] in autocast_cache.py says what it frees, what it saves and why that is the default.
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -415,7 +415,7 @@ class LmsSession:
         expandable_segments: bool = True,
         optimizer_state: str | list[dict[str, Any]] = "device",
         watch: str = "operators",
-        clear_autocast_cache: bool | str = False,
+        clear_autocast_cache: bool | str = "auto",
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -443,7 +443,7 @@ class LmsSession:
             raise InvalidArgumentError(
                 f"lms_session: watch must be one of {', '.join(WATCH_MODES)}, got {watch!r}"
             )
-        _check_clearing(clear_autocast_cache, watch)
+        clear_autocast_cache = _resolve_clearing(clear_autocast_cache, watch)
         self.device = _resolve_device(device)
         self.limit = int(limit)
         self.min_bytes = int(min_bytes)
@@ -522,7 +522,7 @@ class LmsSession:
             self._handles.extend(self._events.handles)
         if self._clear_autocast_cache is True:  # Note [Autocast's cast cache]
             self._handles.extend(clear_after_each_module(modules, self.device.type))
-        elif self._clear_autocast_cache == "events":  # watch="modules" (_check_clearing)
+        elif self._clear_autocast_cache == "events":  # watch="modules" (_resolve_clearing)
             events = self._events  # the iterations that run on the record, not the recorded one
             self._handles.extend(
                 clear_after_each_module(modules, self.device.type, when=lambda: events.replaying)
@@ -1473,22 +1473,27 @@ def _describe_group(group: object) -> str:
     return f"{group!r:.80} ({type(group).__name__})"
 
 
-def _check_clearing(clear_autocast_cache: object, watch: str) -> None:
-    """clear_autocast_cache is True, False or "events", and "events" has events to go by."""
+def _resolve_clearing(clear_autocast_cache: object, watch: str) -> bool | str:
+    """True, False or "events" for clear_autocast_cache: "auto" is "events" where there are
+    events to go by (watch="modules"), False otherwise; an explicit "events" needs them."""
     if not isinstance(clear_autocast_cache, (bool, str)) or clear_autocast_cache not in (
         True,
         False,
         "events",
+        "auto",
     ):
         raise TypeError(
-            'lms_session(clear_autocast_cache): expected True, False or "events", got '
+            'lms_session(clear_autocast_cache): expected True, False, "events" or "auto", got '
             f"{clear_autocast_cache!r}"
         )
+    if clear_autocast_cache == "auto":
+        return "events" if watch == "modules" else False
     if clear_autocast_cache == "events" and watch != "modules":
         raise InvalidArgumentError(
             'lms_session: clear_autocast_cache="events" empties the cache in the iterations '
             f'watched by events, which needs watch="modules"; got watch={watch!r}'
         )
+    return clear_autocast_cache
 
 
 def _refuse_unbounded_backend() -> None:

@@ -176,6 +176,35 @@ def autocast_copies_leave_with_their_module_and_training_stays_bit_for_bit() -> 
 
 
 @scenario
+def replayed_iterations_empty_autocasts_copies_by_default_and_train_bit_for_bit() -> None:
+    # Note [Autocast's cast cache]: watched by modules, the session empties autocast's cache in
+    # the iterations replayed from the record by default (clear_autocast_cache="auto"). The
+    # limit leaves a seventh of the checkpointed peak spare: at three quarters, one H200 each,
+    # the run with the cache emptied trained with 13 allocator retries and the one with the
+    # cache kept ran out of memory in a replayed iteration.
+    import torch
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.lms_session import EXPANDABLE_STEP
+
+    expected = reference(steps=5, checkpoint=True, autocast=True)
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    limit = expected[2] * 6 // 7 + EXPANDABLE_STEP
+    torch.cuda.reset_peak_memory_stats()
+    session = tus.lms_session(limit, [model], [optimizer], watch="modules", quiet=False)
+    losses = train(model, optimizer, session, steps=5, checkpoint=True, autocast=True)
+    peak = torch.cuda.max_memory_reserved()
+    stats = session.stats()
+    session.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    print(f"peak {peak / MiB:.0f} of {limit / MiB:.0f} MiB; {stats}")
+    check_same_training(expected, (losses, params))
+    assert peak <= limit, f"peak {peak} over the limit {limit}"
+    assert stats["event_iterations"] == 3 and stats["event_deviations"] == 0, stats
+
+
+@scenario
 def a_session_with_room_goes_quiet_and_trains_bit_for_bit() -> None:
     # Nothing has to move under twice the peak: the first iteration (which makes AdamW's
     # state) and the second are watched, the rest run unwatched (Note [Quiet iterations]) and

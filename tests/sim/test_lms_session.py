@@ -64,16 +64,17 @@ class _WatchCasts(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("clear", [True, False], ids=["cleared", "kept"])
+@pytest.mark.parametrize("clear", [True, False, None], ids=["cleared", "kept", "default"])
 def test_autocast_weight_copies_live_only_through_their_module(clear):
     # Note [Autocast's cast cache]: one layer read twice in a forward. Autocast alone casts its
     # weight once and keeps the copy until the block ends; with clear_autocast_cache=True the
-    # copy goes when the layer's forward ends, and the second read casts again (the default
-    # leaves autocast alone).
+    # copy goes when the layer's forward ends, and the second read casts again (the default,
+    # watching by operators, leaves autocast alone).
     layer = torch.nn.Linear(256, 256)
     model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
     copies = []  # weak references to each low-precision copy of the weight made
-    session = tus.lms_session(10**9, [model], device="cpu", clear_autocast_cache=clear)
+    option = {} if clear is None else {"clear_autocast_cache": clear}
+    session = tus.lms_session(10**9, [model], device="cpu", **option)
     # Without gradients nothing saves a copy for the backward: only the cache can hold one.
     with session, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         with _WatchCasts(layer.weight, copies):
@@ -83,23 +84,21 @@ def test_autocast_weight_copies_live_only_through_their_module(clear):
     assert alive == ([False, False] if clear else [True])
 
 
-def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_record():
-    # Note [Autocast's cast cache]: with clear_autocast_cache="events", watched by modules, the
-    # recorded iteration runs as the user's code would (its margins are what the replayed ones
-    # keep); the iterations that replay it empty the cache after each module.
+@pytest.mark.parametrize(
+    "option", [{"clear_autocast_cache": "events"}, {}], ids=["events", "default"]
+)
+def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_record(option):
+    # Note [Autocast's cast cache]: with clear_autocast_cache="events" (the default when
+    # watching by modules), the recorded iteration runs as the user's code would (its margins
+    # are what the replayed ones keep); the iterations that replay it empty the cache after
+    # each module.
     layer = torch.nn.Linear(256, 256)
     model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
     copies = []
 
     def iterations() -> list[tuple[str, list[bool]]]:
         session = tus.lms_session(
-            10**9,
-            [model],
-            device="cpu",
-            watch="modules",
-            min_bytes=1024,
-            quiet=False,
-            clear_autocast_cache="events",
+            10**9, [model], device="cpu", watch="modules", min_bytes=1024, quiet=False, **option
         )
         seen = []
         for _ in range(3):
