@@ -27,6 +27,7 @@ import lms_allocator_retries  # noqa: E402
 import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
+import pyspy_summary  # noqa: E402
 import replay_planner  # noqa: E402
 import thread_cpu  # noqa: E402
 
@@ -688,3 +689,33 @@ def test_the_pages_of_a_large_buffer_are_counted_on_their_nodes():
     counted = sum(pinned_numa_bandwidth.pages_by_node(min_pages=pages).values())
     assert counted >= pages
     buffer.close()
+
+
+_MAIN = 'process 7:"python train.py";thread (7): MainThread;main (train.py:10)'
+_AUTOGRAD = 'process 7:"python train.py";thread (9)'
+RAW_RECORDING = f"""\
+{_MAIN};step (train.py:4);_before (/x/lms_session.py:990) 6
+{_MAIN};step (train.py:5) 3
+{_AUTOGRAD} 2
+{_AUTOGRAD};hook (/x/lms_events.py:170);_before (/x/lms_session.py:991) 4
+not a sample line
+"""
+
+
+def test_a_pyspy_recording_counts_each_function_once_a_sample(capsys):
+    recording = pyspy_summary.read_recording(RAW_RECORDING.splitlines(keepends=True))
+    assert recording.total == 15 and recording.frameless == 2
+    assert recording.threads == {"thread (7): MainThread": 9, "thread (9)": 6}
+    # Lines of one function count together; a function is counted once per stack.
+    assert recording.self_samples == {"_before (lms_session.py)": 10, "step (train.py)": 3}
+    assert recording.inclusive["step (train.py)"] == 9
+    assert recording.inclusive["_before (lms_session.py)"] == 10
+    assert pyspy_summary.callers(recording, "_before", depth=1) == {
+        "_before (lms_session.py:990) <- step (train.py:4)": 6,
+        "_before (lms_session.py:991) <- hook (lms_events.py:170)": 4,
+    }
+    # 10 samples at 400 Hz over 5 steps: 5 ms a step.
+    pyspy_summary.print_summary(recording, steps=5, rate=400.0, names=("_before",))
+    out = capsys.readouterr().out
+    assert "     10  66.7%    5.00 ms/step  _before (lms_session.py)" in out
+    assert "(no Python frame: C++ holding the GIL)" in out
