@@ -106,15 +106,15 @@ COUNTED = (  # the session's counters reported per step
     "near_misses",
 )
 # A configuration may end in switches for A/B runs on one build ("helper,1+clear+nomiss"):
-# clear empties autocast's cache after each module in every iteration and events in the
-# iterations watched by events only, where the session's default keeps it (Note [Autocast's
-# cast cache]); nomiss turns
+# clear empties autocast's cache after each module in every iteration, events in the
+# iterations watched by events only (the session's default with --watch modules), and keep
+# never (Note [Autocast's cast cache]); nomiss turns
 # the caps that recorded iterations learn from near misses off (Note [Near misses]); inplace
 # makes every optimizer step read the host's state in place instead of staging it (Note
 # [Staging the state on the host]); noahead turns the planner's paging out ahead off (Note
 # [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
 # in one native call a batch (Note [Copies queued in one call]).
-SWITCHES = ("clear", "events", "nomiss", "inplace", "noahead", "pycopies")
+SWITCHES = ("clear", "events", "keep", "nomiss", "inplace", "noahead", "pycopies")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -522,6 +522,8 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
 
     if "inplace" in switches:
         raise ValueError("the probe alternate cannot turn the switch inplace off and on")
+    if "keep" in switches:  # the cache kept is the side that clear and events alternate with
+        raise ValueError("the probe alternate turns clear or events on and off, not keep")
     toggles = []
     if "pycopies" in switches:
         toggles.append(lambda on: setattr(session._copies, "native", not on))
@@ -533,10 +535,9 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
             lambda on: setattr(session, "_check_margin", (lambda: None) if on else check)
         )
     if "clear" in switches or "events" in switches:
-        # The session keeps autocast's cache (run_one): the hooks here clear it while the
-        # switch is on, in every iteration (clear) or in those replayed from the record.
-        if "clear" in switches and "events" in switches:
-            raise ValueError("the switches clear and events contradict each other")
+        # The session keeps autocast's cache (autocast_clearing): the hooks here clear it while
+        # the switch is on, in every iteration (clear) or in those replayed from the record.
+        autocast_clearing(frozenset(), switches)  # refuses clear and events together
         handles: list = []
         replayed = None
         if "events" in switches:
@@ -556,16 +557,23 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
     return toggles
 
 
-def autocast_clearing(switches: frozenset[str]) -> bool | str:
+def autocast_clearing(
+    switches: frozenset[str], alternated: frozenset[str] = frozenset()
+) -> bool | str:
     """The session's clear_autocast_cache for these switches: True with clear, "events" with
-    events, the default (False) otherwise."""
-    if "clear" in switches and "events" in switches:
-        raise ValueError("the switches clear and events contradict each other")
+    events, False with keep, the session's default ("auto") otherwise. Where the probe
+    alternate turns clear or events on and off (`alternated`), the session keeps the cache and
+    the probe's hooks do the clearing (switch_toggles)."""
+    named = [name for name in ("clear", "events", "keep") if name in switches | alternated]
+    if len(named) > 1:
+        raise ValueError(f"the switches {' and '.join(named)} contradict each other")
+    if alternated & {"clear", "events"} or "keep" in switches:
+        return False
     if "clear" in switches:
         return True
     if "events" in switches:
         return "events"
-    return False
+    return "auto"
 
 
 def print_alternating(
@@ -758,7 +766,7 @@ def run_one(
             quiet=quiet,
             prefetch_depth=prefetch_depth,
             # Alternated, the probe's hooks do the clearing (switch_toggles): switches is empty
-            clear_autocast_cache=autocast_clearing(switches),
+            clear_autocast_cache=autocast_clearing(switches, alternated),
         )
         if "nomiss" in switches:
             session._check_margin = lambda: None

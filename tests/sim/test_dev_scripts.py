@@ -517,13 +517,14 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
     assert session._copies.native is True
     assert session._planner.page_out_ahead is True
     assert session._check_margin == check
-    assert hooks() == before  # the cache kept, as the session's default
+    assert hooks() == before  # the cache kept, as the session was opened
     (events,) = lms_state_split.switch_toggles(session, model, frozenset({"events"}))
     events(True)
     assert hooks() == before + owners
     events(False)
     assert hooks() == before
-    for refused, says in (({"inplace"}, "inplace"), ({"clear", "events"}, "contradict")):
+    refusals = (({"inplace"}, "inplace"), ({"keep"}, "not keep"), ({"clear", "events"}, "contra"))
+    for refused, says in refusals:
         with pytest.raises(ValueError, match=says):
             lms_state_split.switch_toggles(session, model, frozenset(refused))
     session.close()
@@ -536,11 +537,19 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
 
 
 def test_the_autocast_switches_pick_the_sessions_clearing():
-    assert lms_state_split.autocast_clearing(frozenset()) is False
-    assert lms_state_split.autocast_clearing(frozenset({"clear", "nomiss"})) is True
-    assert lms_state_split.autocast_clearing(frozenset({"events"})) == "events"
+    clearing = lms_state_split.autocast_clearing
+    assert clearing(frozenset()) == "auto"  # the session's default, as the benchmark runs it
+    assert clearing(frozenset({"clear", "nomiss"})) is True
+    assert clearing(frozenset({"events"})) == "events"
+    assert clearing(frozenset({"keep"})) is False
+    # Alternated, the probe's hooks clear: the session keeps the cache.
+    assert clearing(frozenset(), frozenset({"events"})) is False
+    assert clearing(frozenset(), frozenset({"pycopies"})) == "auto"
+    for both in ({"clear", "events"}, {"events", "keep"}, {"clear", "keep"}):
+        with pytest.raises(ValueError, match="contradict"):
+            clearing(frozenset(both))
     with pytest.raises(ValueError, match="contradict"):
-        lms_state_split.autocast_clearing(frozenset({"clear", "events"}))
+        clearing(frozenset({"keep"}), frozenset({"events"}))
 
 
 def test_the_host_clock_moves_with_the_cpu_this_process_spends():
