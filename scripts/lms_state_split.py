@@ -113,8 +113,10 @@ COUNTED = (  # the session's counters reported per step
 # makes every optimizer step read the host's state in place instead of staging it (Note
 # [Staging the state on the host]); noahead turns the planner's paging out ahead off (Note
 # [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
-# in one native call a batch (Note [Copies queued in one call]).
-SWITCHES = ("clear", "events", "keep", "nomiss", "inplace", "noahead", "pycopies")
+# in one native call a batch (Note [Copies queued in one call]); retrymiss (an experiment,
+# --watch modules) counts an allocator retry in a recorded iteration as a near miss
+# (learn_from_retries).
+SWITCHES = ("clear", "events", "keep", "nomiss", "inplace", "noahead", "pycopies", "retrymiss")
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -524,6 +526,8 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
         raise ValueError("the probe alternate cannot turn the switch inplace off and on")
     if "keep" in switches:  # the cache kept is the side that clear and events alternate with
         raise ValueError("the probe alternate turns clear or events on and off, not keep")
+    if "retrymiss" in switches:  # it acts in recordings, which the alternating steps replay
+        raise ValueError("the probe alternate cannot compare retrymiss: compare processes")
     toggles = []
     if "pycopies" in switches:
         toggles.append(lambda on: setattr(session._copies, "native", not on))
@@ -555,6 +559,37 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
 
         toggles.append(clear)
     return toggles
+
+
+def learn_from_retries(session, read_stats=None) -> None:
+    """The switch retrymiss, an experiment: in a recorded iteration, an operator inside which
+    PyTorch's allocator retried (gave its cached blocks back to fit a request) counts as a near
+    miss there (Note [Near misses]): the planner caps the session's resident bytes at that
+    position by what PyTorch's allocated bytes grew across the operator, at least a 32nd of the
+    limit. The session learns caps only from its own out-of-memory errors and from allocated
+    bytes past its quiet line; GPT-2 medium at 3x retries once every step without either.
+    read_stats() gives PyTorch's memory statistics (torch.cuda.memory_stats by default)."""
+    if session._events is None:
+        raise ValueError("the switch retrymiss needs a session watched by modules")
+    if read_stats is None:
+        read_stats = lambda: torch.cuda.memory_stats(session.device)  # noqa: E731
+    check = session._check_margin
+    last: dict = {}  # the previous operator's figures, this recording's
+
+    def check_with_retries() -> None:
+        stats = read_stats()
+        retries = stats.get("num_alloc_retries", 0)
+        allocated = stats.get("allocated_bytes.all.current", 0)
+        recording = session._events._recording  # a new one each recorded iteration
+        if last.get("recording") is recording and retries > last["retries"]:
+            grew = max(allocated - last["allocated"], session.limit // 32)
+            resident = session._planner.counters()["resident_bytes"]
+            session._planner.cap_here(max(0, resident - grew))
+            session._near_misses += 1
+        last.update(recording=recording, retries=retries, allocated=allocated)
+        check()
+
+    session._check_margin = check_with_retries
 
 
 def autocast_clearing(
@@ -776,6 +811,8 @@ def run_one(
             session._planner.page_out_ahead = False
         if "pycopies" in switches:
             session._copies.native = False
+        if "retrymiss" in switches:
+            learn_from_retries(session)
         if probe == "alternate":
             toggles = switch_toggles(session, model, alternated)
         # As the benchmark: with free_gradients the next forward waits per module for the steps.

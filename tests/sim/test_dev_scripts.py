@@ -523,7 +523,12 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
     assert hooks() == before + owners
     events(False)
     assert hooks() == before
-    refusals = (({"inplace"}, "inplace"), ({"keep"}, "not keep"), ({"clear", "events"}, "contra"))
+    refusals = (
+        ({"inplace"}, "inplace"),
+        ({"keep"}, "not keep"),
+        ({"retrymiss"}, "compare processes"),
+        ({"clear", "events"}, "contra"),
+    )
     for refused, says in refusals:
         with pytest.raises(ValueError, match=says):
             lms_state_split.switch_toggles(session, model, frozenset(refused))
@@ -728,3 +733,39 @@ def test_a_pyspy_recording_counts_each_function_once_a_sample(capsys):
     out = capsys.readouterr().out
     assert "     10  66.7%    5.00 ms/step  _before (lms_session.py)" in out
     assert "(no Python frame: C++ holding the GIL)" in out
+
+
+def test_a_retry_in_a_recorded_iteration_teaches_a_cap_with_retrymiss():
+    # The switch retrymiss: PyTorch's allocator retrying inside an operator of a recorded
+    # iteration is a near miss there. Faked: the retry count steps up once, as the last block
+    # of each recorded iteration ends; allocated bytes stay 0 (the cap is a 32nd of the limit).
+    sys.path.insert(0, str(ROOT / "tests" / "sim"))
+    from lms_training import assert_trained_alike, make_model, session_for, train
+
+    def run(retrymiss):
+        model, optimizer = make_model()
+        session = session_for(model, optimizer, watch="modules")
+        session._allocated = lambda: 0  # no near miss by allocated bytes
+        retries = [0]
+        if retrymiss:
+            read = lambda: {"num_alloc_retries": retries[0], "allocated_bytes.all.current": 0}  # noqa: E731
+            lms_state_split.learn_from_retries(session, read)
+        model[-1].register_forward_hook(lambda *_: retries.__setitem__(0, retries[0] + 1))
+        losses = train(model, optimizer, session, steps=5)
+        stats = session.stats()
+        session.close()
+        return losses, list(model.parameters()), stats
+
+    reference, got = run(retrymiss=False), run(retrymiss=True)
+    assert_trained_alike(got[0], got[1], reference[0], reference[1])
+    # One retry in each of the two recordings (the first iteration makes AdamW's state); the
+    # three replayed iterations retry too, but teach nothing.
+    assert got[2]["near_misses"] == 2 and reference[2]["near_misses"] == 0
+    assert got[2]["capped_positions"] == reference[2]["capped_positions"] + 1
+    assert got[2]["event_iterations"] == 3 and got[2]["event_deviations"] == 0
+
+    model, optimizer = make_model()
+    session = session_for(model, optimizer, watch="operators")
+    with pytest.raises(ValueError, match="watched by modules"):
+        lms_state_split.learn_from_retries(session)
+    session.close()
