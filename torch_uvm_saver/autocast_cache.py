@@ -63,8 +63,8 @@ Note [Autocast's cast cache]
     (tests/gpu's replayed-iterations scenario: watched by modules, checkpointing, autocast,
     quiet=False) at three quarters of its checkpointed peak is at the edge either way. In
     fresh processes on H200s, with the cache emptied in replayed iterations 2 of 3 runs
-    trained bit for bit (8-13 allocator retries in five iterations) and one ran out of memory
-    in a replayed iteration; with the cache kept all 3 ran out of memory there. At six
+    trained bit for bit (13 allocator retries each in five iterations) and one ran out of
+    memory in a replayed iteration; with the cache kept all 3 ran out of memory there. At six
     sevenths of the peak all 4 runs trained bit for bit either way (4 retries emptied, 5-6
     kept). With watch="operators" the default keeps the cache: an operator that runs out of
     memory is paged for and run again, and emptying the cache there gave no measured gain.
