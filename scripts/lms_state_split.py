@@ -541,7 +541,7 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
     if "clear" in switches or "events" in switches:
         # The session keeps autocast's cache (autocast_clearing): the hooks here clear it while
         # the switch is on, in every iteration (clear) or in those replayed from the record.
-        autocast_clearing(frozenset(), switches)  # refuses clear and events together
+        refuse_contradicting_clearing(switches)
         handles: list = []
         replayed = None
         if "events" in switches:
@@ -592,6 +592,13 @@ def learn_from_retries(session, read_stats=None) -> None:
     session._check_margin = check_with_retries
 
 
+def refuse_contradicting_clearing(switches: frozenset[str]) -> None:
+    """At most one of the autocast switches clear, events and keep."""
+    named = [name for name in ("clear", "events", "keep") if name in switches]
+    if len(named) > 1:
+        raise ValueError(f"the switches {' and '.join(named)} contradict each other")
+
+
 def autocast_clearing(
     switches: frozenset[str], alternated: frozenset[str] = frozenset()
 ) -> bool | str:
@@ -599,9 +606,7 @@ def autocast_clearing(
     events, False with keep, the session's default ("auto") otherwise. Where the probe
     alternate turns clear or events on and off (`alternated`), the session keeps the cache and
     the probe's hooks do the clearing (switch_toggles)."""
-    named = [name for name in ("clear", "events", "keep") if name in switches | alternated]
-    if len(named) > 1:
-        raise ValueError(f"the switches {' and '.join(named)} contradict each other")
+    refuse_contradicting_clearing(switches | alternated)
     if alternated & {"clear", "events"} or "keep" in switches:
         return False
     if "clear" in switches:

@@ -73,7 +73,7 @@ def reference(checkpoint=False, steps=4, autocast=False):
     return losses, params, peak
 
 
-def limited(limit: int, checkpoint=False, autocast=False, **options):
+def limited(limit: int, checkpoint=False, autocast=False, steps=4, **options):
     import torch
 
     import torch_uvm_saver as tus
@@ -82,7 +82,7 @@ def limited(limit: int, checkpoint=False, autocast=False, **options):
     model, optimizer = make_model()
     torch.cuda.reset_peak_memory_stats()
     session = tus.lms_session(limit, [model], [optimizer], **options)
-    losses = train(model, optimizer, session, checkpoint=checkpoint, autocast=autocast)
+    losses = train(model, optimizer, session, steps, checkpoint=checkpoint, autocast=autocast)
     peak = torch.cuda.max_memory_reserved()
     stats = session.stats()
     session.close()
@@ -182,25 +182,15 @@ def replayed_iterations_empty_autocasts_copies_by_default_and_train_bit_for_bit(
     # limit leaves a seventh of the checkpointed peak spare: at three quarters, one H200 each,
     # the run with the cache emptied trained with 13 allocator retries and the one with the
     # cache kept ran out of memory in a replayed iteration.
-    import torch
-
-    import torch_uvm_saver as tus
     from torch_uvm_saver.lms_session import EXPANDABLE_STEP
 
     expected = reference(steps=5, checkpoint=True, autocast=True)
-    torch.cuda.empty_cache()
-    model, optimizer = make_model()
     limit = expected[2] * 6 // 7 + EXPANDABLE_STEP
-    torch.cuda.reset_peak_memory_stats()
-    session = tus.lms_session(limit, [model], [optimizer], watch="modules", quiet=False)
-    losses = train(model, optimizer, session, steps=5, checkpoint=True, autocast=True)
-    peak = torch.cuda.max_memory_reserved()
-    stats = session.stats()
-    session.close()
-    params = [p.detach().cpu() for p in model.parameters()]
-    print(f"peak {peak / MiB:.0f} of {limit / MiB:.0f} MiB; {stats}")
-    check_same_training(expected, (losses, params))
-    assert peak <= limit, f"peak {peak} over the limit {limit}"
+    got = limited(limit, checkpoint=True, autocast=True, steps=5, watch="modules", quiet=False)
+    stats = got[3]
+    print(f"peak {got[2] / MiB:.0f} of {limit / MiB:.0f} MiB; {stats}")
+    check_same_training(expected, got)
+    assert got[2] <= limit, f"peak {got[2]} over the limit {limit}"
     assert stats["event_iterations"] == 3 and stats["event_deviations"] == 0, stats
 
 
@@ -637,25 +627,15 @@ def watching_by_modules_trains_bit_for_bit_under_the_limit() -> None:
     # one of them ran out of memory: no operator is run again when watching by events. With
     # checkpointing and steps in the backward there, the recomputation's storages, which are
     # not the session's, ran out of memory on an H100.)
-    import torch
-
-    import torch_uvm_saver as tus
     from torch_uvm_saver.lms_session import EXPANDABLE_STEP
 
     expected = reference(steps=5)
-    torch.cuda.empty_cache()
-    model, optimizer = make_model()
     limit = expected[2] * 3 // 4 + EXPANDABLE_STEP
-    torch.cuda.reset_peak_memory_stats()
-    session = tus.lms_session(limit, [model], [optimizer], watch="modules")
-    losses = train(model, optimizer, session, steps=5)
-    peak = torch.cuda.max_memory_reserved()
-    stats = session.stats()
-    session.close()
-    params = [p.detach().cpu() for p in model.parameters()]
-    print(f"peak {peak / MiB:.0f} of {limit / MiB:.0f} MiB; {stats}")
-    check_same_training(expected, (losses, params))
-    assert peak <= limit, f"peak {peak} over the limit {limit}"
+    got = limited(limit, steps=5, watch="modules")
+    stats = got[3]
+    print(f"peak {got[2] / MiB:.0f} of {limit / MiB:.0f} MiB; {stats}")
+    check_same_training(expected, got)
+    assert got[2] <= limit, f"peak {got[2]} over the limit {limit}"
     assert stats["event_iterations"] == 3 and stats["event_deviations"] == 0
     assert stats["pageout_bytes"] > 0
 
