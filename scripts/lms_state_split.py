@@ -44,8 +44,10 @@ Prints each process's result as it ends, then a table, a row a configuration: th
 processes' median steps and their range, the first configuration's step over it, the GPU's lag
 behind the host at the steps' end, peak reserved, state on the host, bytes the session moved a
 step (page-outs, clean ones that copy nothing included, page-ins and prefetches), the state
-staged from the host (both ways), PyTorch's allocator retries a step, and the largest loss
-difference from the first configuration's first process.
+staged from the host (both ways), PyTorch's allocator retries a step, the largest loss
+difference from the first configuration's first process, and each process's step beside how
+fast its CPU ran Python (the benchmark's host loop, ms): the lent machines' CPUs differ by up to
+2x, and host-bound steps follow them.
 Needs a GPU and transformers.
 """
 
@@ -66,6 +68,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import oversub_child as child
+from _bench_common import host_python_ms
 from profile_lms_session import step
 
 GiB = 2**30
@@ -115,7 +118,7 @@ COUNTED = (  # the session's counters reported per step
 # [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
 # in one native call a batch (Note [Copies queued in one call]); retrymiss (an experiment,
 # --watch modules) counts an allocator retry in a recorded iteration as a near miss
-# (learn_from_retries).
+# (learn_from_retries; not kept: benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt).
 SWITCHES = ("clear", "events", "keep", "nomiss", "inplace", "noahead", "pycopies", "retrymiss")
 
 
@@ -852,6 +855,7 @@ def run_one(
     trend = probe == "trend" and session is not None
     for i in range(warmup + steps):
         if i == warmup:
+            host_loop_ms = [host_python_ms()]  # the CPU's speed for Python, as the benchmark's
             calls_before = device_calls()
             if session is not None:
                 before = session.stats()
@@ -872,6 +876,7 @@ def run_one(
             host["queued"] = queue_times[-1]
             print(trend_line(i, warmup, times[-1], step_retries[-1], moved, host), flush=True)
     calls_after = device_calls()
+    host_loop_ms.append(host_python_ms())
     out = {
         "step_s": statistics.median(times[warmup:]),
         "steps_s": [round(t, 4) for t in times[warmup:]],  # a process's own scatter
@@ -885,6 +890,8 @@ def run_one(
         "alloc_retries": sum(step_retries[warmup:]) / steps,
         "device_allocs": (calls_after[0] - calls_before[0]) / steps,
         "device_frees": (calls_after[1] - calls_before[1]) / steps,
+        # Host-bound steps follow how fast this process's CPU ran Python: the slower reading
+        "host_loop_ms": max(host_loop_ms),
     }
     if session is not None:
         after = session.stats()
@@ -1110,6 +1117,8 @@ def summarize(configs: list[str], results: dict[str, list[dict | None]]) -> list
                 moved_gb=statistics.median(r.get("moved_gb", 0.0) for r in done),
                 staged_gb=statistics.median(r.get("staged_gb", 0.0) for r in done),
                 retries=statistics.median(r.get("alloc_retries", 0.0) for r in done),
+                # Each process's step beside its CPU's speed for Python, in the order they ran
+                each=[(r["step_s"], r.get("host_loop_ms")) for r in done],
                 loss_diff=max(
                     (
                         abs(a - b)
@@ -1131,7 +1140,7 @@ def print_table(rows: list[dict]) -> None:
     print(
         f"config | step s (processes' range) | {first} over it | GPU lag at the end ms | "
         "peak GiB | host GiB | moved GB/step | staged GB/step | allocator retries/step | "
-        "max loss diff"
+        "max loss diff | each process: step s @ host loop ms"
     )
     for row in rows:
         failed = f", {row['failed']} of {row['processes']} failed" if row["failed"] else ""
@@ -1143,7 +1152,11 @@ def print_table(rows: list[dict]) -> None:
             f"{row['config']} | {row['step_s']:.3f} ({low:.3f}-{high:.3f}{failed}) | "
             f"{row['vs_first']:.2f}x | {row['lag_ms']:.0f} | {row['peak_gib']:.2f} | "
             f"{row['host_gib']:.2f} | {row['moved_gb']:.2f} | {row['staged_gb']:.2f} | "
-            f"{row['retries']:.2f} | {row['loss_diff']:.1e}"
+            f"{row['retries']:.2f} | {row['loss_diff']:.1e} | "
+            + " ".join(
+                f"{step:.3f}@{loop:.0f}" if loop is not None else f"{step:.3f}"
+                for step, loop in row["each"]
+            )
         )
 
 

@@ -84,6 +84,10 @@ Note [Near misses]
     processes with it trained, one of two without it ran out of memory at the loss. At 4x,
     where the recorded loss runs out of memory anyway, it changed no step time (0.219 s,
     0.215-0.223, against 0.249 s, 0.216-0.282, two processes each).
+    An allocator retry inside a recorded operator (the request fitted once PyTorch gave its
+    cache back) is not learned as a near miss: tried, it moved twice the bytes at 3x and half
+    again at 4x and saved no time on CPUs of one speed
+    (benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt).
 
 Note [Dead page-outs]
     The planner learns that a storage died only when the session next looks at it: a gradient
