@@ -11,10 +11,12 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
 
     python scripts/lms_state_split.py --limit-gib 11.11 --one 0,1 --probe trace   (one
         configuration, then one more step recorded with torch.profiler and laid out as
-        lms_step_timeline.py does; --probe cprofile, sample, ops: where the host's time goes;
-        --probe plans: every planner call of the run, as JSON, to the file SPLIT_PLANS names
-        (default plans.json), for scripts/replay_planner.py; --probe pageouts: what the
-        session paged out over --steps more steps, by what it was and what became of it;
+        lms_step_timeline.py does (the file SPLIT_TRACE names keeps it, gzipped, with Python
+        frames, for lms_step_timeline.py --from-trace); --probe cprofile, sample, ops: where
+        the host's time goes; --probe plans: every planner call of the run, as JSON, to the
+        file SPLIT_PLANS names (default plans.json), for scripts/replay_planner.py; --probe
+        pageouts: what the session paged out over --steps more steps, by what it was and what
+        became of it;
         --probe host: the host time of the session's, step_in_backward's and the optimizer's
         functions, each timed inclusively over --steps more steps; --probe threads: each
         thread's CPU time a step over --steps more steps, scripts/thread_cpu.py; --probe
@@ -951,13 +953,21 @@ def run_one(
         from lms_step_timeline import analyse
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        kept = os.environ.get("SPLIT_TRACE")  # keep the trace there, Python frames and all
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, with_stack=bool(kept)) as recorded:
             one()
             torch.cuda.synchronize()
         path = os.path.join(tempfile.mkdtemp(), "trace.json")
         recorded.export_chrome_trace(path)
         with open(path) as f:
-            analyse(json.load(f)["traceEvents"], 50.0, 12)
+            events = json.load(f)["traceEvents"]
+        analyse(events, 50.0, 12)
+        if kept:
+            import gzip
+
+            with gzip.open(kept, "wt") as f:
+                json.dump({"traceEvents": events}, f)
     return out
 
 
