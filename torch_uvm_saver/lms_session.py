@@ -86,8 +86,8 @@ Note [Near misses]
     0.215-0.223, against 0.249 s, 0.216-0.282, two processes each).
     An allocator retry inside a recorded operator (the request fitted once PyTorch gave its
     cache back) is not learned as a near miss: tried, it moved twice the bytes at 3x and half
-    again at 4x and saved no time on CPUs of one speed
-    (benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt).
+    again at 4x; on CPUs of one speed its gain at 3x was within the processes' scatter and at
+    4x it cost 7% (benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt).
 
 Note [Dead page-outs]
     The planner learns that a storage died only when the session next looks at it: a gradient
