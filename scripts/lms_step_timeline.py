@@ -16,8 +16,10 @@ page-in landing, a page-out copy still queued): the work there that ended last, 
 gap did, is named. A host that blocks in a synchronizing call while the device is busy shows
 up as "host late" in the gap that follows: the queue it let drain. Prints the step time, the
 busy time of the compute stream and of each copy direction (and when each direction's first
-copy of a MiB or more started and its last ended), the gap time by cause, the largest gaps, the
-operators under which the session queued the most copies, the allocations that took over a
+copy of a MiB or more started and its last ended), the gap time by cause, the largest gaps (with
+the Python functions that launched the work after each, where the trace was recorded with
+them: lms_state_split.py --probe trace keeps such a trace under SPLIT_TRACE), the operators
+under which the session queued the most copies, the allocations that took over a
 millisecond, the CUDA calls that took the most host time, and each host thread's time under
 its operators and in CUDA calls. Needs a GPU and transformers (not with --from-trace); 4x of
 native's peak is 6.71 GiB (3x: 8.94).
@@ -31,6 +33,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -56,6 +59,8 @@ ALLOCATOR_CALLS = (
     "cudaFreeHost",
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+FRAMES_SHOWN = 4  # the innermost Python functions named under each of the largest gaps
+ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a built-in's object address: noise between runs
 MiB = 1 << 20
 WAIT_SLACK_US = 50.0  # a stream's wait ends this soon after the awaited work at most
 
@@ -102,6 +107,29 @@ def waited_for(by_stream: dict[int, list[dict]], compute: int, end: float) -> st
     moved = e["args"].get("bytes")
     size = f", {moved / 2**20:.0f} MiB" if moved else ""
     return f" (stream {stream}: {e['name'][:40]}{size})"
+
+
+def python_frames(events: list[dict]) -> dict[tuple, list[dict]]:
+    """A trace's Python functions (torch.profiler's with_stack=True) by host thread, in order
+    of start; none in a trace recorded without them."""
+    frames: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "python_function":
+            frames[(e.get("pid"), e.get("tid"))].append(e)
+    for thread in frames.values():
+        thread.sort(key=lambda e: e["ts"])
+    return frames
+
+
+def launched_from(frames: dict[tuple, list[dict]], call: dict | None) -> str:
+    """The innermost FRAMES_SHOWN Python functions around a host call, outermost first, each
+    as its file's name, line and function: '' without frames."""
+    if call is None:
+        return ""
+    thread = frames.get((call.get("pid"), call.get("tid")), [])
+    around = [f for f in thread if f["ts"] <= call["ts"] <= f["ts"] + f["dur"]]
+    names = (f["name"].rsplit("/", 1)[-1] for f in around[-FRAMES_SHOWN:])
+    return " > ".join(ADDRESS.sub("", name) for name in names)
 
 
 def copying_operators(events: list[dict], host_calls: list[dict], first: float, show: int) -> None:
@@ -226,6 +254,8 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
         )
     causes: dict[str, float] = collections.defaultdict(float)
     gaps = []
+    frames = python_frames(events)
+    stacks: dict[float, str] = {}  # a gap's start -> where the work after it was launched
     end_so_far = work[0]["ts"] + work[0]["dur"]
     for e in work[1:]:
         if e["ts"] - end_so_far >= gap_us:
@@ -251,6 +281,7 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
             if main == "waited on another stream":
                 main += waited_for(by_stream, compute, end)
             gaps.append(((end - start) / 1e3, start, main, e["name"][:60]))
+            stacks[start] = launched_from(frames, launch)
         end_so_far = max(end_so_far, e["ts"] + e["dur"])
     total = sum(causes.values())
     print(f"  idle gaps of {gap_us:.0f} us or more: {len(gaps)}, {total:.1f} ms")
@@ -259,6 +290,8 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
     print(f"  the {show} largest gaps (ms, at ms into the step, cause, the work after it):")
     for ms, start, cause, name in sorted(gaps, reverse=True)[:show]:
         print(f"    {ms:6.2f} at {(start - first) / 1e3:7.1f}  {cause:<32} {name}")
+        if stacks[start]:  # a trace kept with Python frames
+            print(f"             launched from {stacks[start]}")
     copying_operators(events, host_calls, first, show)
     slow_allocations(events, host_calls, first)
     print(f"  CUDA calls by host time: {by_host_time(host_calls, 8)}")

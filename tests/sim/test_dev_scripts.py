@@ -243,6 +243,33 @@ def test_a_gap_the_compute_stream_waited_out_names_the_work_it_waited_for(capsys
     assert "stream 23" in capsys.readouterr().out
 
 
+def test_a_trace_kept_with_python_frames_names_where_the_work_after_a_gap_was_launched(capsys):
+    # As at GPT-2 medium's step end: the loss's read back (launched at 2010 us from step(),
+    # inside the probe's one()) started only when a 200 MiB page-out ended. The innermost four
+    # Python functions around the launch are named, outermost first; those of another thread
+    # or that ended before the launch are not.
+    python = "python_function"
+    events = [
+        *compute_gap(first_ends=2000, second_launched=2010, second_starts=3100),
+        traced("gpu_memcpy", OUT, 100, 2980, stream=23, bytes=200 << 20),
+        traced(python, "/work/scripts/lms_state_split.py(1174): <module>", 0, 4000),
+        traced(python, "/work/scripts/lms_state_split.py(1046): main", 1, 3990),
+        traced(python, "/work/scripts/lms_state_split.py(958): run_one", 2, 3980),
+        traced(python, "/work/scripts/lms_state_split.py(843): one", 3, 3970),
+        traced(python, "/work/scripts/profile_lms_session.py(54): step", 1500, 1600),
+        traced(python, "/work/torch/optim/optimizer.py(512): wrapper", 1600, 300),  # ended
+        {**traced(python, "/work/autograd.py(1): elsewhere", 0, 4000), "tid": 2},
+    ]
+    lms_step_timeline.analyse(events, gap_us=50.0, show=4)
+    printed = capsys.readouterr().out
+    stack = "lms_state_split.py(1046): main > lms_state_split.py(958): run_one > "
+    stack += "lms_state_split.py(843): one > profile_lms_session.py(54): step"
+    assert f"             launched from {stack}\n" in printed
+    # Recorded without Python frames: no such line.
+    lms_step_timeline.analyse(events[:5], gap_us=50.0, show=4)
+    assert "launched from" not in capsys.readouterr().out
+
+
 def test_each_copy_direction_says_when_the_link_was_used(capsys):
     # A copy in from 0.3 to 0.8 ms and two copies out, 0.2-0.9 and 2.5-3.1 ms, against the
     # compute stream's first work at 0: both directions are named with their first start and
