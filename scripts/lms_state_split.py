@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import statistics
@@ -920,8 +921,6 @@ def run_one(
     if probe == "sample":
         print_samples(one, steps)
     if probe == "retries":
-        import gzip
-
         from lms_allocator_retries import record_step, report
 
         snapshot = record_step(one, limit / GiB)
@@ -964,8 +963,6 @@ def run_one(
             events = json.load(f)["traceEvents"]
         analyse(events, 50.0, 12)
         if kept:
-            import gzip
-
             with gzip.open(kept, "wt") as f:
                 json.dump({"traceEvents": events}, f)
     return out

@@ -254,8 +254,7 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
         )
     causes: dict[str, float] = collections.defaultdict(float)
     gaps = []
-    frames = python_frames(events)
-    stacks: dict[float, str] = {}  # a gap's start -> where the work after it was launched
+    launched_after: dict[float, dict | None] = {}  # a gap's start -> the launch that ended it
     end_so_far = work[0]["ts"] + work[0]["dur"]
     for e in work[1:]:
         if e["ts"] - end_so_far >= gap_us:
@@ -281,17 +280,19 @@ def analyse(events: list[dict], gap_us: float, show: int) -> list[tuple]:
             if main == "waited on another stream":
                 main += waited_for(by_stream, compute, end)
             gaps.append(((end - start) / 1e3, start, main, e["name"][:60]))
-            stacks[start] = launched_from(frames, launch)
+            launched_after[start] = launch
         end_so_far = max(end_so_far, e["ts"] + e["dur"])
     total = sum(causes.values())
     print(f"  idle gaps of {gap_us:.0f} us or more: {len(gaps)}, {total:.1f} ms")
     for cause, ms in sorted(causes.items(), key=lambda kv: -kv[1]):
         print(f"    {cause:<40} {ms:7.1f} ms")
     print(f"  the {show} largest gaps (ms, at ms into the step, cause, the work after it):")
+    frames = python_frames(events)
     for ms, start, cause, name in sorted(gaps, reverse=True)[:show]:
         print(f"    {ms:6.2f} at {(start - first) / 1e3:7.1f}  {cause:<32} {name}")
-        if stacks[start]:  # a trace kept with Python frames
-            print(f"             launched from {stacks[start]}")
+        stack = launched_from(frames, launched_after[start])
+        if stack:  # a trace kept with Python frames
+            print(f"             launched from {stack}")
     copying_operators(events, host_calls, first, show)
     slow_allocations(events, host_calls, first)
     print(f"  CUDA calls by host time: {by_host_time(host_calls, 8)}")
