@@ -101,6 +101,8 @@ COUNTED = (  # the session's counters reported per step
     "clean_pageout_bytes",
     "dead_pageout_bytes",
     "ahead_pageout_bytes",
+    "deferred_pageout_bytes",
+    "deferred_kept_bytes",
     "quiet_iterations",
     "prefetch_wasted",
     "prefetch_failed",
@@ -121,8 +123,20 @@ COUNTED = (  # the session's counters reported per step
 # [Paging out ahead]); pycopies queues the paging's copies through PyTorch's calls instead of
 # in one native call a batch (Note [Copies queued in one call]); retrymiss (an experiment,
 # --watch modules) counts an allocator retry in a recorded iteration as a near miss
-# (learn_from_retries; not kept: benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt).
-SWITCHES = ("clear", "events", "keep", "nomiss", "inplace", "noahead", "pycopies", "retrymiss")
+# (learn_from_retries; not kept: benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt);
+# nodefer queues the page-outs asked for after an iteration's last read at once instead of as
+# the next iteration begins (Note [Page-outs at the iteration's end]).
+SWITCHES = (
+    "clear",
+    "events",
+    "keep",
+    "nomiss",
+    "inplace",
+    "noahead",
+    "pycopies",
+    "retrymiss",
+    "nodefer",
+)
 
 
 def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
@@ -539,6 +553,8 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
         toggles.append(lambda on: setattr(session._copies, "native", not on))
     if "noahead" in switches:
         toggles.append(lambda on: setattr(session._planner, "page_out_ahead", not on))
+    if "nodefer" in switches:
+        toggles.append(lambda on: setattr(session, "_defer_end_pageouts", not on))
     if "nomiss" in switches:
         check = session._check_margin
         toggles.append(
@@ -822,6 +838,8 @@ def run_one(
             session._planner.page_out_ahead = False
         if "pycopies" in switches:
             session._copies.native = False
+        if "nodefer" in switches:
+            session._defer_end_pageouts = False
         if "retrymiss" in switches:
             learn_from_retries(session)
         if probe == "alternate":

@@ -86,7 +86,7 @@ class _Recording:
     (references: Note [Watching by events]; None when nothing), and whether those reads took a
     planner position (a view's bounds check reads without one)."""
 
-    __slots__ = ("counted", "positions", "reads", "signatures", "whole", "writes")
+    __slots__ = ("counted", "last_read", "positions", "reads", "signatures", "whole", "writes")
 
     def __init__(self) -> None:
         self.signatures: list[tuple] = []
@@ -96,6 +96,7 @@ class _Recording:
         self.whole: list[bool] = []  # a step starting here is replayed as this one event
         # The coarse position of each planner position of the iteration (index 0 unused).
         self.positions: list[int] = [0]
+        self.last_read = -1  # the last event after which an operator read a storage
 
     def add_event(self, signature: tuple) -> None:
         self.signatures.append(signature)
@@ -109,6 +110,7 @@ class _Recording:
             for k, refs in enumerate(events):
                 if refs is not None:
                     events[k] = list(dict.fromkeys(refs))
+        self.last_read = max((k for k, refs in enumerate(self.reads) if refs), default=-1)
 
 
 class _StepRecord:
@@ -193,6 +195,13 @@ class EventWatch:
         """Whether this iteration runs on the record (its operators unwatched, or watched again
         from where it left the record)."""
         return self.mode is ACT or self.mode is DEVIATED
+
+    @property
+    def past_last_read(self) -> bool:
+        """Whether this iteration runs on the record, its operators unwatched, and no event
+        after the current one reads a storage (Note [Page-outs at the iteration's end] in
+        lms_session.py)."""
+        return self.mode is ACT and not self._dispatch and self._index > self._recorded.last_read
 
     @property
     def watches_operators(self) -> bool:

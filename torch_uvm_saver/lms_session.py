@@ -100,6 +100,28 @@ Note [Dead page-outs]
     byte copied (``scripts/lms_state_split.py --probe pageouts``). They are not moves (Note
     [Quiet iterations]): counted as moves, they kept that configuration from ever going quiet.
 
+Note [Page-outs at the iteration's end]
+    An iteration replayed from the record ends with the last parameter group's optimizer step,
+    and the planner pages blocks out right after their last reads (Note [Paging out ahead]),
+    that group's state among them. Queued then, those copies are the last work of the
+    iteration, and the loss's read that follows waits for every one of them: on an H200 a
+    4-byte read into pageable or page-locked memory waited 9.7 ms behind 512 MiB copied to the
+    host on another stream, and as long (9.8-10.2 ms) when those copies were queued in pieces
+    of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one H200, a
+    step traced) the compute stream sat idle 10.8 ms at the end of each step at 3x and 11.1 ms
+    at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed from
+    the record, page-outs that the planner asks for after the iteration's last read (nothing
+    paged in with them) wait in the session, out in the planner's books and still on the
+    device, until the planner's next plan: queued with its page-outs then, they overlap the
+    next forward. Where that plan brings one of them back in (a block the next forward reads
+    first), it never left: neither copy runs (``deferred_kept_count`` and
+    ``deferred_kept_bytes`` in stats(); queued at the next iteration's start instead, the
+    forward's first page-in waited 6.6 ms for the whole batch out). Making room, fetch_all
+    and close queue or keep them first, and an iteration that runs unwatched queues them as it
+    begins. The session did not see what ran between the iterations, so they are copied even
+    where the host held their bytes already (``deferred_pageout_count`` and
+    ``deferred_pageout_bytes`` count them).
+
 Note [Operators the planner sees]
     Every operator passes through the dispatch mode, but only those that read a managed storage
     reach the planner: they are its positions (the trace, prefetch_depth and the caps count them),
@@ -460,6 +482,15 @@ class LmsSession:
         self._entries: dict[int, _Entry] = {}
         self._landing: dict[int, torch.cuda.Event] = {}  # prefetched, not waited for yet
         self._out: set[int] = set()  # blocks paged out
+        # Planned out, still on the device (Note [Page-outs at the iteration's end])
+        self._deferred: dict[int, None] = {}
+        self._defer_end_pageouts = True  # off only for A/B runs (scripts/lms_state_split.py)
+        self._deferred_pageouts = 0
+        self._deferred_pageout_bytes = 0
+        # Deferred page-outs the planner brought back before they were queued, by [paged in,
+        # prefetched]: neither copy ran.
+        self._kept_deferred = [0, 0]
+        self._kept_deferred_bytes = [0, 0]
         self._busy = False  # our own operators pass straight through
         self._in_optimizer_step = False
         self._active = False
@@ -564,15 +595,20 @@ class LmsSession:
             raise InvalidStateError("lms_session: this session is closed")
         if self._active:
             raise InvalidStateError("lms_session: already inside this session's block")
+        if self._deferred and self._quiet:
+            # No planner call will queue them in an unwatched iteration: queued before the
+            # block, so a copy that fails to queue leaves it unentered.
+            with self._own_operators():
+                self._page_out_all(self._take_deferred())
         self._active = True
         if self._quiet:
             self._quiet_iterations += 1
             self._peak_at_enter = self._allocator_peak()
             return self
-        self._moves_at_enter = self._moves()
         # Writes outside a watched block (between iterations, in quiet ones) went unseen.
         for entry in self._entries.values():
             entry.host_current = False
+        self._moves_at_enter = self._moves()
         self._registered_at_enter = self._planner.counters()["registered_bytes"]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
@@ -657,7 +693,7 @@ class LmsSession:
         """Page every managed storage back in (they must fit under the limit together)."""
         self._sweep()
         with self._own_operators():
-            for block in self._planner.bring_all_in():
+            for block in self._keep_deferred(self._planner.bring_all_in(), prefetched=False):
                 self._page_in(block)
             self._wait_landing(list(self._landing))
         if self._cuda:
@@ -700,20 +736,35 @@ class LmsSession:
         ahead_pageout_bytes (the planner's page-outs started right after a read, where the
         iteration before sent the block out later: Note [Paging out ahead] in
         relocation_planner.h; counted in pageout_count and pageout_bytes too),
-        saved_managed (tensors autograd saved that the session took on), skipped_saved (saved
-        tensors left resident: Note [What the session relocates]); with watch="modules",
+        deferred_pageout_count and deferred_pageout_bytes (page-outs asked for after an
+        iteration's last read, queued when the next began: Note [Page-outs at the iteration's
+        end]; counted in pageout_count and pageout_bytes too), deferred_kept_count and
+        deferred_kept_bytes (page-outs that waited so and that the planner undid before they
+        were queued: the block never left; pageout_*, pagein_* and prefetch_* leave them out),
+        saved_managed (tensors
+        autograd saved that the session took on), skipped_saved (saved tensors left resident:
+        Note [What the session relocates]); with watch="modules",
         event_iterations (iterations watched by events), event_recordings (iterations recorded
         for them) and event_deviations (iterations that left the record: Note [Watching by
         events])."""
         out = dict(self._planner.counters())
-        out["pageout_count"] -= self._dead_pageouts
-        out["pageout_bytes"] -= self._dead_pageout_bytes
+        kept, kept_bytes = self._kept_deferred, self._kept_deferred_bytes
+        out["pageout_count"] -= self._dead_pageouts + sum(kept)
+        out["pageout_bytes"] -= self._dead_pageout_bytes + sum(kept_bytes)
+        out["pagein_count"] -= kept[0]
+        out["pagein_bytes"] -= kept_bytes[0]
+        out["prefetch_count"] -= kept[1]
+        out["prefetch_bytes"] -= kept_bytes[1]
+        out["deferred_kept_count"] = sum(kept)
+        out["deferred_kept_bytes"] = sum(kept_bytes)
         out["dead_pageout_count"] = self._dead_pageouts
         out["dead_pageout_bytes"] = self._dead_pageout_bytes
         out["oom_retries"] = self._oom_retries
         out["near_misses"] = self._near_misses
         out["clean_pageout_count"] = self._clean_pageouts
         out["clean_pageout_bytes"] = self._clean_pageout_bytes
+        out["deferred_pageout_count"] = self._deferred_pageouts
+        out["deferred_pageout_bytes"] = self._deferred_pageout_bytes
         out["saved_managed"] = self._saved_managed
         out["skipped_saved"] = self._skipped_saved
         out["limit_bytes"] = self.limit
@@ -940,6 +991,7 @@ class LmsSession:
         self._planner.remove(block)
         self._landing.pop(block, None)
         self._out.discard(block)
+        self._deferred.pop(block, None)
         entry.forget()
 
     # -- moving bytes --------------------------------------------------------------------------
@@ -1008,11 +1060,50 @@ class LmsSession:
 
     def _carry_out(self, plan: tuple[list[int], list[int], list[int]], ids: list[int]) -> None:
         page_out, page_in, prefetch = plan
+        events = self._events
+        only_out = page_out and not page_in and not prefetch and self._defer_end_pageouts
+        if only_out and events is not None and events.past_last_read:
+            # Note [Page-outs at the iteration's end]: queued when the next iteration begins
+            self._deferred.update(dict.fromkeys(page_out))
+            return
+        if self._deferred:  # Note [Page-outs at the iteration's end]
+            page_in = self._keep_deferred(page_in, prefetched=False)
+            prefetch = self._keep_deferred(prefetch, prefetched=True)
+            page_out = self._take_deferred() + page_out
         with self._own_operators():
             self._page_out_all(page_out)
             for block in page_in:
                 self._page_in_making_room(block, ids)
             self._prefetch_all(prefetch)
+
+    def _keep_deferred(self, blocks: list[int], *, prefetched: bool) -> list[int]:
+        """Note [Page-outs at the iteration's end]: of the blocks the planner brings in, those
+        still waiting to go out never left: they stay, nothing copied either way. The rest."""
+        if not self._deferred:
+            return blocks
+        rest = []
+        for block in blocks:
+            if self._deferred.pop(block, 0) is None:  # present (its value is None)
+                entry = self._entries.get(block)
+                nbytes = entry.nbytes if entry is not None else 0
+                self._kept_deferred[prefetched] += 1
+                self._kept_deferred_bytes[prefetched] += nbytes
+            else:
+                rest.append(block)
+        return rest
+
+    def _take_deferred(self) -> list[int]:
+        """Note [Page-outs at the iteration's end]: the page-outs waiting, to queue now; their
+        bytes are copied whatever the host held (writes between iterations went unseen)."""
+        blocks = list(self._deferred)
+        self._deferred.clear()
+        for block in blocks:
+            entry = self._entries.get(block)
+            if entry is not None:
+                entry.host_current = False
+                self._deferred_pageouts += 1
+                self._deferred_pageout_bytes += entry.nbytes
+        return blocks
 
     def _wait_landing(self, ids: list[int]) -> None:
         current = self._current_stream() if self._cuda else None
@@ -1239,6 +1330,8 @@ class LmsSession:
     def _make_room(self, error: BaseException, attempt: int, ids: list[int]) -> bool:
         """Pages out victims for the failed allocation (twice as much at each attempt); False
         when there was nothing left to page out."""
+        if self._deferred:  # out in the planner's books: they are no room to take
+            self._page_out_all(self._take_deferred())
         wanted = min(max(_requested_bytes(error), self.limit // 32) << attempt, self.limit)
         victims = self._planner.make_room(wanted, ids)
         self._page_out_all(victims)
@@ -1309,8 +1402,9 @@ class LmsSession:
     def _moves(self) -> int:
         counters = self._planner.counters()
         # Both directions (Note [Quiet iterations]); page-outs of dead storages moved nothing.
-        pageouts = counters["pageout_count"] - self._dead_pageouts
-        pageins = counters["pagein_count"] + counters["prefetch_count"]
+        kept = sum(self._kept_deferred)  # Note [Page-outs at the iteration's end]: no move
+        pageouts = counters["pageout_count"] - self._dead_pageouts - kept
+        pageins = counters["pagein_count"] + counters["prefetch_count"] - kept
         return pageouts + pageins + counters["oom_events"] + self._oom_retries
 
     def _allocator_peak(self) -> int:

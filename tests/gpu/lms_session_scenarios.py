@@ -666,6 +666,95 @@ print("TRAINED")
 """
 
 
+def train_stepping_in_the_backward_under_a_small_budget(session_on: bool) -> dict:
+    """Six iterations watched by modules, fused AdamW's groups stepping in the backward (each
+    replayed as one event), the loss read after the step, as in the benchmark. The planner's
+    budget is the sim's test of the page-outs at the iteration's end (tests/sim/
+    test_lms_events.py: 12 blocks of width 128, batch 256, 600,000 bytes) scaled by 256 with
+    the widths and the batch: it pages AdamW's state every iteration."""
+    import torch
+
+    import torch_uvm_saver as tus
+    import torch_uvm_saver.managed as managed
+
+    torch.cuda.empty_cache()
+    model, _ = make_model()
+    groups = [{"params": list(block.parameters())} for block in model]
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    session = None
+    if session_on:
+        limit = 8 << 30  # the budget, not the limit, pages here
+        session = tus.lms_session(
+            limit, [model], [optimizer], watch="modules", budget=600_000 * 256, min_bytes=16384
+        )
+    overlap = tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(BATCH, WIDTH, device="cuda", generator=generator)
+    y = torch.randn(BATCH, WIDTH, device="cuda", generator=generator)
+    out: dict = {"losses": [], "left": [], "waiting": [], "asked": [], "moved": []}
+    asked = [0]
+    real_is_managed = managed.is_managed
+
+    def counted_is_managed(tensor) -> bool:
+        asked[0] += 1
+        return real_is_managed(tensor)
+
+    def state_bytes() -> dict:
+        return {
+            id(t): t.untyped_storage().nbytes()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if t.dim() > 0
+        }
+
+    def state_addresses() -> list:
+        return [t.data_ptr() for state in optimizer.state.values() for t in state.values()]
+
+    managed.is_managed = counted_is_managed
+    try:
+        for _ in range(6):
+            before, addresses, asked[0] = state_bytes(), state_addresses(), 0
+            with session if session is not None else contextlib.nullcontext():
+                at_start = state_bytes()
+                left = sum(n for k, n in before.items() if n and not at_start.get(k, n))
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                out["losses"].append(loss.item())
+            out["left"].append(left)
+            out["waiting"].append(len(session._deferred) if session is not None else 0)
+            out["asked"].append(asked[0])
+            out["moved"].append(addresses != state_addresses())
+    finally:
+        managed.is_managed = real_is_managed
+    out["stats"] = session.stats() if session is not None else {}
+    if session is not None:
+        session.close()
+    overlap.remove()
+    out["parameters"] = [p.detach().cpu() for p in model.parameters()]
+    return out
+
+
+@scenario
+def page_outs_after_the_last_read_wait_for_the_next_plan_bit_for_bit() -> None:
+    # Note [Page-outs at the iteration's end]: the page-outs the planner asks for after the last
+    # group's step stay on the device between the iterations and go out with the next
+    # iteration's first plan; the training is the same as with no session.
+    expected = train_stepping_in_the_backward_under_a_small_budget(False)
+    got = train_stepping_in_the_backward_under_a_small_budget(True)
+    stats = got["stats"]
+    print(f"waiting after each iteration {got['waiting']}; left as they began {got['left']}")
+    print({k: v for k, v in stats.items() if "defer" in k or "pageout" in k or "event_" in k})
+    check_same_training(
+        (expected["losses"], expected["parameters"]), (got["losses"], got["parameters"])
+    )
+    assert stats["event_iterations"] > 0 and stats["event_deviations"] == 0, stats
+    assert any(got["waiting"]), "no page-out waited for the next iteration"
+    assert stats["deferred_pageout_count"] > 0, stats
+    assert got["left"] == [0] * 6, "state left the device between the iterations"
+
+
 @scenario
 def the_cuda_malloc_async_backend_is_refused_at_open() -> None:
     # Note [PyTorch's allocator backend]: under it the device held 10.9 GiB against an 8.94 GiB

@@ -4,7 +4,8 @@ A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay
 what a traced step's idle gaps are put down to (lms_step_timeline.py), which thread a step's
 CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration
 (lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
-(host_speed_under_copies.py). All run here without a GPU."""
+(host_speed_under_copies.py), and how a small read behind copies is tabled
+(small_read_behind_copies.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
 import pyspy_summary  # noqa: E402
 import replay_planner  # noqa: E402
+import small_read_behind_copies  # noqa: E402
 import thread_cpu  # noqa: E402
 
 GiB = 1 << 30
@@ -534,18 +536,20 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
 
     before = hooks()
     toggles = lms_state_split.switch_toggles(
-        session, model, frozenset({"pycopies", "noahead", "nomiss", "clear"})
+        session, model, frozenset({"pycopies", "noahead", "nomiss", "clear", "nodefer"})
     )
     for toggle in toggles:
         toggle(True)
     assert session._copies.native is False
     assert session._planner.page_out_ahead is False
+    assert session._defer_end_pageouts is False
     assert session._check_margin is not check
     assert hooks() == before + owners  # clearing in every iteration
     for toggle in toggles:
         toggle(False)
     assert session._copies.native is True
     assert session._planner.page_out_ahead is True
+    assert session._defer_end_pageouts is True
     assert session._check_margin == check
     assert hooks() == before  # the cache kept, as the session was opened
     (events,) = lms_state_split.switch_toggles(session, model, frozenset({"events"}))
@@ -800,3 +804,17 @@ def test_a_retry_in_a_recorded_iteration_teaches_a_cap_with_retrymiss():
     with pytest.raises(ValueError, match="watched by modules"):
         lms_state_split.learn_from_retries(session)
     session.close()
+
+
+def test_the_small_read_table_starts_from_its_baseline_and_gives_each_piece_size_a_row():
+    cases = small_read_behind_copies.cases(512 << 20, "128,2")
+    assert cases == [
+        ("nothing beside", None),
+        ("whole", 512 << 20),
+        ("pieces of 128 MiB", 128 << 20),
+        ("pieces of 2 MiB", 2 << 20),
+    ]
+    line = small_read_behind_copies.row("pinned", "whole", [9.7, 9.8, 9.75], [55.0, 55.4, 55.2])
+    assert line.split() == ["pinned", "whole", "9.75", "9.70-", "9.80", "55.2"]
+    baseline = small_read_behind_copies.row("pageable", "nothing beside", [0.02, 0.01], None)
+    assert baseline.split()[-1] == "-"

@@ -346,3 +346,160 @@ def test_a_small_step_is_replayed_as_one_event_and_a_large_one_by_operators(in_b
         assert step_operators[2:] == [0, 0, 0, 0]
     else:
         assert all(count > 0 for count in step_operators[2:])
+
+
+def train_logging_a_weight(session, steps=6, fetch_between=False):
+    """Blocks stepping in the backward with fused AdamW (its steps replayed as one event each,
+    as on a GPU), the first block's weight norm logged after each step: a read after the last
+    group's step, where the planner pages that group's state out. Losses, norms, and for each
+    iteration the bytes of AdamW's state that left the device as it began (Note [Page-outs at
+    the iteration's end])."""
+    model, _ = make_model(groups=True, layers=12)
+    groups = [{"params": list(block.parameters())} for block in model]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=True)
+    if session is not None:
+        session = session(model, optimizer)
+    stepping = tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
+    torch.manual_seed(1)
+    x, y = torch.randn(256, 128), torch.randn(256, 128)
+    losses, norms, left_at_start = [], [], []
+
+    def state_bytes():
+        return {
+            id(t): t.untyped_storage().nbytes()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if t.dim() > 0
+        }
+
+    for _ in range(steps):
+        before = state_bytes()
+        with session if session is not None else contextlib.nullcontext():
+            at_start = state_bytes()
+            left_at_start.append(
+                sum(n for key, n in before.items() if n and not at_start.get(key, n))
+            )
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            norms.append(float(model[0][0].weight.detach().norm()))
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if fetch_between and session is not None:
+            session.fetch_all()
+    stepping.remove()
+    stats = None
+    if session is not None:
+        stats = session.stats()
+        session.close()  # everything back on the device before it is read
+    return losses, norms, [p.detach() for p in model.parameters()], left_at_start, stats
+
+
+def session_at_600k(model, optimizer):
+    return session_for(model, optimizer, budget=600_000, watch="modules")
+
+
+def test_page_outs_after_the_iterations_last_read_wait_for_the_next_plan():
+    reference = train_logging_a_weight(None)
+    losses, norms, parameters, left_at_start, stats = train_logging_a_weight(session_at_600k)
+    assert losses == reference[0] and norms == reference[1]
+    assert all(torch.equal(a, b) for a, b in zip(parameters, reference[2], strict=True))
+    assert stats["event_iterations"] > 0 and stats["event_deviations"] == 0
+    # The state paged out after the last read stayed on the device between the iterations and
+    # as the next began; the next iteration's first plan queued it.
+    assert stats["deferred_pageout_count"] > 0 and stats["deferred_pageout_bytes"] > 0
+    assert left_at_start == [0] * len(left_at_start)
+
+
+def test_fetch_all_between_iterations_keeps_the_waiting_page_outs_on_the_device():
+    reference = train_logging_a_weight(None)
+    losses, norms, parameters, left_at_start, stats = train_logging_a_weight(
+        session_at_600k, fetch_between=True
+    )
+    assert losses == reference[0] and norms == reference[1]
+    assert all(torch.equal(a, b) for a, b in zip(parameters, reference[2], strict=True))
+    # Every page-out that waited was undone by fetch_all before it was queued: none copied.
+    assert stats["deferred_kept_count"] > 0 and stats["deferred_pageout_count"] == 0
+    assert sum(left_at_start) == 0
+
+
+def stepping_model():
+    """Twelve blocks, a parameter group each, stepping in the backward with fused AdamW; the
+    step's inputs."""
+    model, _ = make_model(groups=True, layers=12)
+    groups = [{"params": list(block.parameters())} for block in model]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=True)
+    stepping = tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
+    torch.manual_seed(1)
+    return model, optimizer, stepping, torch.randn(256, 128), torch.randn(256, 128)
+
+
+def one_step(model, optimizer, x, y) -> None:
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    model[0][0].weight.detach().norm()  # a read after the last group's step
+    optimizer.zero_grad(set_to_none=True)
+
+
+def session_with_page_outs_waiting():
+    """A session whose last iteration left page-outs waiting (Note [Page-outs at the
+    iteration's end]), with its model, optimizer, hooks and the step's inputs."""
+    model, optimizer, stepping, x, y = stepping_model()
+    session = session_at_600k(model, optimizer)
+    for _ in range(4):
+        with session:
+            one_step(model, optimizer, x, y)
+    assert session._deferred, "the configuration no longer leaves page-outs waiting"
+    return session, model, optimizer, stepping, x, y
+
+
+def test_a_waiting_page_out_that_the_next_plan_brings_back_never_moves():
+    session, _, _, stepping, _, _ = session_with_page_outs_waiting()
+    waiting = list(session._deferred)
+    kept = waiting[0]
+    storage = session._entries[kept].storage()
+    address, contents = storage.data_ptr(), bytes(storage)
+    before = session.stats()
+    with session:
+        session._bring_in([kept])  # what an operator reading it first does
+    after = session.stats()
+    session.close()
+    stepping.remove()
+    # Still at its address with its bytes: neither copy ran, none is counted as a move.
+    assert storage.data_ptr() == address and bytes(storage) == contents
+    assert after["deferred_kept_count"] - before["deferred_kept_count"] == 1
+    assert after["pagein_count"] == before["pagein_count"]
+    assert after["prefetch_count"] == before["prefetch_count"]
+    # The other waiting page-outs were queued with that plan.
+    queued = after["deferred_pageout_count"] - before["deferred_pageout_count"]
+    assert queued == len(waiting) - 1
+
+
+def test_an_error_queuing_the_waiting_page_outs_loses_no_block():
+    model, optimizer, stepping, x, y = stepping_model()
+    for _ in range(6):
+        one_step(model, optimizer, x, y)
+    stepping.remove()
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    session, model, optimizer, stepping, x, y = session_with_page_outs_waiting()
+    waiting = list(session._deferred)
+    page_out_all = session._page_out_all
+
+    def failing(blocks):
+        # As a failed batch of copies on a GPU: the blocks stay resident (pageout_failed).
+        for block in blocks:
+            session._planner.pageout_failed(block)
+        raise RuntimeError("the copy could not be queued")
+
+    session._page_out_all = failing
+    with pytest.raises(RuntimeError, match="could not be queued"), session:
+        model(x)  # its first operator's plan queues the waiting page-outs
+    session._page_out_all = page_out_all
+    assert not any(session._planner.is_out(block) for block in waiting)
+    for _ in range(2):  # not left "already inside this session's block"; it trains on
+        with session:
+            one_step(model, optimizer, x, y)
+    stepping.remove()
+    session.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
