@@ -141,7 +141,7 @@ class StepInBackward:
         self._link_streams: list[torch.cuda.Stream] = []
         self._next_link = 0
         self._pending: dict[int, torch.cuda.Event] = {}  # group -> its step's end, not waited
-        # group -> (its state tensors' addresses, whether any lies on the host)
+        # group -> (its state tensors' storages, whether any lies on the host)
         self._on_host: dict[int, tuple[tuple[int, ...], bool]] = {}
         self._lazy = modules is not None
         modules = self._checked_modules(modules) if self._lazy else []
@@ -275,9 +275,10 @@ class StepInBackward:
             for value in state.get(parameter, {}).values()
             if isinstance(value, torch.Tensor) and value.device.type == "cuda"
         ]
-        # Asked once for the same tensors at the same addresses: is_managed is a driver call
-        # per tensor (0.2 ms a group on GPT-2 XL, every step).
-        key = tuple(t.data_ptr() for t in tensors)
+        # Asked once for the same storages: is_managed is a driver call per tensor (0.2 ms a
+        # group on GPT-2 XL, every step). Keyed by each storage's StorageImpl, which stays while
+        # an LMS session moves its bytes to another address every step (its data_ptr does not).
+        key = tuple(t.untyped_storage()._cdata for t in tensors)
         known = self._on_host.get(group)
         if known is not None and known[0] == key:
             return known[1]

@@ -756,6 +756,18 @@ def page_outs_after_the_last_read_wait_for_the_next_plan_bit_for_bit() -> None:
 
 
 @scenario
+def step_in_backward_asks_where_moved_state_lies_once() -> None:
+    # step_in_backward picks a group's side stream by whether its state lies on the host or in
+    # managed memory, a driver call a tensor; an LMS session moves that state to a new address
+    # every iteration here, and the answer is kept for the same storages all the same.
+    got = train_stepping_in_the_backward_under_a_small_budget(True)
+    print(f"is_managed calls each iteration {got['asked']}; state moved {got['moved']}")
+    assert all(got["moved"][2:]), "the session did not move AdamW's state: nothing to check"
+    assert got["asked"][0] + got["asked"][1] > 0, "is_managed was never asked"
+    assert got["asked"][2:] == [0] * 4, got["asked"]
+
+
+@scenario
 def the_cuda_malloc_async_backend_is_refused_at_open() -> None:
     # Note [PyTorch's allocator backend]: under it the device held 10.9 GiB against an 8.94 GiB
     # limit; the session refuses to open and leaves the model as it was.
