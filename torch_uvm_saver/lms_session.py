@@ -104,10 +104,10 @@ Note [Page-outs at the iteration's end]
     An iteration replayed from the record ends with the last parameter group's optimizer step,
     and the planner pages blocks out right after their last reads (Note [Paging out ahead]),
     that group's state among them. Queued then, those copies are the last work of the
-    iteration, and the loss's read that follows waits for every one of them: on an H200 a
-    4-byte read into pageable or page-locked memory waited 9.7 ms behind 512 MiB copied to the
-    host on another stream, and as long (9.8-10.2 ms) when those copies were queued in pieces
-    of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one H200, a
+    iteration, and the loss's read that follows waits for every one of them: on H200s a
+    4-byte read into pageable or page-locked memory waited 9.7-9.9 ms behind 512 MiB copied to
+    the host on another stream, and as long (9.7-10.3 ms) when those copies were queued in
+    pieces of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one H200, a
     step traced) the compute stream sat idle 10.8 ms at the end of each step at 3x and 11.1 ms
     at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed from
     the record, page-outs that the planner asks for after the iteration's last read (nothing
