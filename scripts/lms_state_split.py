@@ -124,8 +124,8 @@ COUNTED = (  # the session's counters reported per step
 # in one native call a batch (Note [Copies queued in one call]); retrymiss (an experiment,
 # --watch modules) counts an allocator retry in a recorded iteration as a near miss
 # (learn_from_retries; not kept: benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt);
-# nodefer queues the page-outs asked for after an iteration's last read at once instead of as
-# the next iteration begins (Note [Page-outs at the iteration's end]).
+# nodefer queues the page-outs asked for after an iteration's last read at once instead of
+# with the next iteration's first plan (Note [Page-outs at the iteration's end]).
 SWITCHES = (
     "clear",
     "events",
@@ -548,13 +548,13 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
         raise ValueError("the probe alternate turns clear or events on and off, not keep")
     if "retrymiss" in switches:  # it acts in recordings, which the alternating steps replay
         raise ValueError("the probe alternate cannot compare retrymiss: compare processes")
+    if "nodefer" in switches:  # a step with it on would queue the page-outs of two steps
+        raise ValueError("the probe alternate cannot compare nodefer: compare processes")
     toggles = []
     if "pycopies" in switches:
         toggles.append(lambda on: setattr(session._copies, "native", not on))
     if "noahead" in switches:
         toggles.append(lambda on: setattr(session._planner, "page_out_ahead", not on))
-    if "nodefer" in switches:
-        toggles.append(lambda on: setattr(session, "_defer_end_pageouts", not on))
     if "nomiss" in switches:
         check = session._check_margin
         toggles.append(

@@ -107,9 +107,9 @@ Note [Page-outs at the iteration's end]
     iteration, and the loss's read that follows waits for every one of them: on H200s a
     4-byte read into pageable or page-locked memory waited 9.7-9.9 ms behind 512 MiB copied to
     the host on another stream, and as long (9.7-10.3 ms) when those copies were queued in
-    pieces of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one H200, a
-    step traced) the compute stream sat idle 10.8 ms at the end of each step at 3x and 11.1 ms
-    at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed from
+    pieces of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one
+    H200, a step traced) the compute stream sat idle 10.8 ms at the end of each step at 3x and
+    11.1 ms at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed from
     the record, page-outs that the planner asks for after the iteration's last read (nothing
     paged in with them) wait in the session, out in the planner's books and still on the
     device, until the planner's next plan: queued with its page-outs then, they overlap the
@@ -605,10 +605,10 @@ class LmsSession:
             self._quiet_iterations += 1
             self._peak_at_enter = self._allocator_peak()
             return self
+        self._moves_at_enter = self._moves()
         # Writes outside a watched block (between iterations, in quiet ones) went unseen.
         for entry in self._entries.values():
             entry.host_current = False
-        self._moves_at_enter = self._moves()
         self._registered_at_enter = self._planner.counters()["registered_bytes"]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         # Backward on the calling thread, so its operators pass through the dispatch mode.
@@ -737,13 +737,13 @@ class LmsSession:
         iteration before sent the block out later: Note [Paging out ahead] in
         relocation_planner.h; counted in pageout_count and pageout_bytes too),
         deferred_pageout_count and deferred_pageout_bytes (page-outs asked for after an
-        iteration's last read, queued when the next began: Note [Page-outs at the iteration's
-        end]; counted in pageout_count and pageout_bytes too), deferred_kept_count and
-        deferred_kept_bytes (page-outs that waited so and that the planner undid before they
-        were queued: the block never left; pageout_*, pagein_* and prefetch_* leave them out),
-        saved_managed (tensors
-        autograd saved that the session took on), skipped_saved (saved tensors left resident:
-        Note [What the session relocates]); with watch="modules",
+        iteration's last read, queued with the next iteration's first plan: Note [Page-outs at
+        the iteration's end]; counted in pageout_count and pageout_bytes too),
+        deferred_kept_count and deferred_kept_bytes (page-outs that waited so and that the
+        planner undid before they were queued: the block never left; pageout_*, pagein_* and
+        prefetch_* leave them out), saved_managed (tensors autograd saved that the session took
+        on), skipped_saved (saved tensors left resident: Note [What the session relocates]);
+        with watch="modules",
         event_iterations (iterations watched by events), event_recordings (iterations recorded
         for them) and event_deviations (iterations that left the record: Note [Watching by
         events])."""
@@ -1063,7 +1063,7 @@ class LmsSession:
         events = self._events
         only_out = page_out and not page_in and not prefetch and self._defer_end_pageouts
         if only_out and events is not None and events.past_last_read:
-            # Note [Page-outs at the iteration's end]: queued when the next iteration begins
+            # Note [Page-outs at the iteration's end]: queued with the next plan
             self._deferred.update(dict.fromkeys(page_out))
             return
         if self._deferred:  # Note [Page-outs at the iteration's end]
@@ -1081,15 +1081,15 @@ class LmsSession:
         still waiting to go out never left: they stay, nothing copied either way. The rest."""
         if not self._deferred:
             return blocks
-        rest = []
+        deferred, rest = self._deferred, []
         for block in blocks:
-            if self._deferred.pop(block, 0) is None:  # present (its value is None)
-                entry = self._entries.get(block)
-                nbytes = entry.nbytes if entry is not None else 0
-                self._kept_deferred[prefetched] += 1
-                self._kept_deferred_bytes[prefetched] += nbytes
-            else:
+            if block not in deferred:
                 rest.append(block)
+                continue
+            del deferred[block]
+            entry = self._entries.get(block)
+            self._kept_deferred[prefetched] += 1
+            self._kept_deferred_bytes[prefetched] += entry.nbytes if entry is not None else 0
         return rest
 
     def _take_deferred(self) -> list[int]:
@@ -1099,7 +1099,7 @@ class LmsSession:
         self._deferred.clear()
         for block in blocks:
             entry = self._entries.get(block)
-            if entry is not None:
+            if entry is not None and entry.storage() is not None:  # a dead one copies nothing
                 entry.host_current = False
                 self._deferred_pageouts += 1
                 self._deferred_pageout_bytes += entry.nbytes
