@@ -46,7 +46,6 @@ def one_case(
 ) -> tuple[float, float]:
     """One round: (the read's wait past the hold in ms, the side copies' GB/s or 0)."""
     compute = torch.cuda.current_stream()
-    held = torch.cuda.Event()
     copies_start = torch.cuda.Event(enable_timing=True)
     copies_end = torch.cuda.Event(enable_timing=True)
     hold_end = torch.cuda.Event(enable_timing=True)
@@ -54,9 +53,8 @@ def one_case(
     torch.cuda._sleep(hold_cycles)
     scalar.add_(1.0)
     hold_end.record(compute)
-    held.record(compute)
     if piece is not None:
-        side.wait_event(held)
+        side.wait_event(hold_end)
         copies_start.record(side)
         with torch.cuda.stream(side):
             n = source.numel()

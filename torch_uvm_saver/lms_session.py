@@ -109,11 +109,11 @@ Note [Page-outs at the iteration's end]
     the host on another stream, and as long (9.7-10.3 ms) when those copies were queued in
     pieces of 128 down to 2 MiB (scripts/small_read_behind_copies.py). On GPT-2 medium (one
     H200, a step traced) the compute stream sat idle 10.8 ms at the end of each step at 3x and
-    11.1 ms at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed from
-    the record, page-outs that the planner asks for after the iteration's last read (nothing
-    paged in with them) wait in the session, out in the planner's books and still on the
-    device, until the planner's next plan: queued with its page-outs then, they overlap the
-    next forward. Where that plan brings one of them back in (a block the next forward reads
+    11.1 ms at 4x, the loss waiting for 0.2 GB of a group's state. So in an iteration replayed
+    from the record, page-outs that the planner asks for after the iteration's last read
+    (nothing paged in with them) wait in the session, out in the planner's books and still on
+    the device, until the planner's next plan: queued with its page-outs then, they overlap
+    the next forward. Where that plan brings one of them back in (a block the next forward reads
     first), it never left: neither copy runs (``deferred_kept_count`` and
     ``deferred_kept_bytes`` in stats(); queued at the next iteration's start instead, the
     forward's first page-in waited 6.6 ms for the whole batch out). Making room, fetch_all
@@ -747,16 +747,9 @@ class LmsSession:
         event_iterations (iterations watched by events), event_recordings (iterations recorded
         for them) and event_deviations (iterations that left the record: Note [Watching by
         events])."""
-        out = dict(self._planner.counters())
-        kept, kept_bytes = self._kept_deferred, self._kept_deferred_bytes
-        out["pageout_count"] -= self._dead_pageouts + sum(kept)
-        out["pageout_bytes"] -= self._dead_pageout_bytes + sum(kept_bytes)
-        out["pagein_count"] -= kept[0]
-        out["pagein_bytes"] -= kept_bytes[0]
-        out["prefetch_count"] -= kept[1]
-        out["prefetch_bytes"] -= kept_bytes[1]
-        out["deferred_kept_count"] = sum(kept)
-        out["deferred_kept_bytes"] = sum(kept_bytes)
+        out = self._moved_counters()
+        out["deferred_kept_count"] = sum(self._kept_deferred)
+        out["deferred_kept_bytes"] = sum(self._kept_deferred_bytes)
         out["dead_pageout_count"] = self._dead_pageouts
         out["dead_pageout_bytes"] = self._dead_pageout_bytes
         out["oom_retries"] = self._oom_retries
@@ -1399,13 +1392,24 @@ class LmsSession:
             return ()
         return tuple(s for s in self._streams.values() if s != current)
 
+    def _moved_counters(self) -> dict[str, int]:
+        """The planner's counters less what it counted that moved nothing: page-outs of dead
+        storages (Note [Dead page-outs]), and page-outs that waited and the page-ins and
+        prefetches that undid them (Note [Page-outs at the iteration's end])."""
+        out = dict(self._planner.counters())
+        kept, kept_bytes = self._kept_deferred, self._kept_deferred_bytes
+        out["pageout_count"] -= self._dead_pageouts + sum(kept)
+        out["pageout_bytes"] -= self._dead_pageout_bytes + sum(kept_bytes)
+        out["pagein_count"] -= kept[0]
+        out["pagein_bytes"] -= kept_bytes[0]
+        out["prefetch_count"] -= kept[1]
+        out["prefetch_bytes"] -= kept_bytes[1]
+        return out
+
     def _moves(self) -> int:
-        counters = self._planner.counters()
-        # Both directions (Note [Quiet iterations]); page-outs of dead storages moved nothing.
-        kept = sum(self._kept_deferred)  # Note [Page-outs at the iteration's end]: no move
-        pageouts = counters["pageout_count"] - self._dead_pageouts - kept
-        pageins = counters["pagein_count"] + counters["prefetch_count"] - kept
-        return pageouts + pageins + counters["oom_events"] + self._oom_retries
+        counters = self._moved_counters()  # both directions (Note [Quiet iterations])
+        pageins = counters["pagein_count"] + counters["prefetch_count"]
+        return counters["pageout_count"] + pageins + counters["oom_events"] + self._oom_retries
 
     def _allocator_peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self._cuda else 0

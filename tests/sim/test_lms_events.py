@@ -496,6 +496,9 @@ def test_an_error_queuing_the_waiting_page_outs_loses_no_block():
     with pytest.raises(RuntimeError, match="could not be queued"), session:
         model(x)  # its first operator's plan queues the waiting page-outs
     session._page_out_all = page_out_all
+    # The waiting page-outs went to that batch and are not queued again; the failed batch
+    # left them resident (as a GPU batch's failure does through pageout_failed).
+    assert not session._deferred
     assert not any(session._planner.is_out(block) for block in waiting)
     for _ in range(2):  # not left "already inside this session's block"; it trains on
         with session:
