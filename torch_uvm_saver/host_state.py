@@ -97,9 +97,9 @@ class HostState:
         self.staging_fallbacks = 0
         self.staged_bytes = 0
         self._placed: dict[tuple[int, str], _Placed] = {}  # (id(parameter), key) -> its state
-        # What the step under way staged: (state dict, key, placed) to copy back after it, and
-        # the stream it staged on.
-        self._staged: list[tuple[dict[str, Any], str, _Placed]] = []
+        # What the step under way staged: (state dict, key, placed, the device copy put there)
+        # to copy back after it, and the stream it staged on.
+        self._staged: list[tuple[dict[str, Any], str, _Placed, torch.Tensor]] = []
         self._staged_on: torch.cuda.Stream | None = None
         self._staged_pointers: set[int] = set()
         self._last_out: torch.cuda.Event | None = None
@@ -175,7 +175,7 @@ class HostState:
         torch._foreach_copy_(copies, [placed.host for _, _, placed in found], non_blocking=True)
         for copy, (state, key, placed) in zip(copies, found):
             state[key] = copy
-            self._staged.append((state, key, placed))
+            self._staged.append((state, key, placed, copy))
             self._staged_pointers.add(copy.untyped_storage().data_ptr())
         self._staged_on = stream
         self.staged_steps += 1
@@ -207,9 +207,8 @@ class HostState:
         in place): stage_out copies them to the host, so they must hold their bytes then."""
         return [
             state[key]
-            for state, key, _ in self._staged
-            if state.get(key) is not None
-            and state[key].untyped_storage().data_ptr() not in self._staged_pointers
+            for state, key, _, copy in self._staged
+            if state.get(key) is not None and state[key] is not copy
         ]
 
     def stage_out(self) -> None:
@@ -219,10 +218,10 @@ class HostState:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._staged_on is not None and stream != self._staged_on:
             self._handover.wait_for(stream, self._staged_on)  # a step that raised on another stream
-        copies = [state[key] for state, key, _ in staged]
+        copies = [state[key] for state, key, _, _ in staged]
         if copies:
-            torch._foreach_copy_([p.host for _, _, p in staged], copies, non_blocking=True)
-        for copy, (state, key, placed) in zip(copies, staged):
+            torch._foreach_copy_([p.host for _, _, p, _ in staged], copies, non_blocking=True)
+        for copy, (state, key, placed, _) in zip(copies, staged):
             state[key] = placed.view
             if stream is not None:
                 copy.record_stream(stream)  # reused once the copy out has read it
@@ -230,7 +229,7 @@ class HostState:
                     copy.record_stream(self._staged_on)
         if stream is not None and staged:
             event = stream.record_event()
-            for _, _, placed in staged:
+            for _, _, placed, _ in staged:
                 placed.out_event = event
             self._last_out = event
 

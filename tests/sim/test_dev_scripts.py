@@ -4,8 +4,9 @@ A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay
 what a traced step's idle gaps are put down to (lms_step_timeline.py), which thread a step's
 CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration
 (lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
-(host_speed_under_copies.py), and how a small read behind copies is tabled
-(small_read_behind_copies.py). All run here without a GPU."""
+(host_speed_under_copies.py), how a small read behind copies is tabled
+(small_read_behind_copies.py), and the timing of the session's per-step walks
+(lms_block_end_cost.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ab_python_change  # noqa: E402
 import host_speed_under_copies  # noqa: E402
 import lms_allocator_retries  # noqa: E402
+import lms_block_end_cost  # noqa: E402
 import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
@@ -817,3 +819,10 @@ def test_the_small_read_table_starts_from_its_baseline_and_gives_each_piece_size
     assert line.split() == ["pinned", "whole", "9.75", "9.70-", "9.80", "55.2"]
     baseline = small_read_behind_copies.row("pageable", "nothing beside", [0.02, 0.01], None)
     assert baseline.split()[-1] == "-"
+
+
+def test_the_block_end_cost_script_times_the_walk_and_the_question_on_cpu(capsys):
+    result = lms_block_end_cost.main(["--device", "cpu", "--repeat", "3"])
+    assert set(result) == {"walk_us", "group_question_us"}
+    assert all(value > 0 for value in result.values())
+    assert "the block's end walk" in capsys.readouterr().out

@@ -559,6 +559,57 @@ def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_s
     assert placed > 0 and stats["host_placed_bytes"] == placed
 
 
+def test_a_block_s_end_asks_again_only_about_state_tensors_it_has_not_seen():
+    # Each block's end walks the optimizer's state: it remembers what it passed over for good
+    # (the host's moments, the step counts under min_bytes) and asks nothing of them again; a
+    # state tensor put in place of one (a checkpoint loaded, a clone) is still placed on the
+    # host or managed at the next block's end.
+    reference_model, reference_optimizer = make_model(groups=True)
+    reference = train(reference_model, reference_optimizer, steps=4)
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-2:]
+    # Nothing pages: the clones below read the state between blocks.
+    session = session_for(model, optimizer, budget=10**9, optimizer_state=on_host)
+    losses = train(model, optimizer, session, steps=2)  # the state is made, then placed
+    asked, walking = [], []  # what the walks at the blocks' ends asked about
+    real_walk, real_ask = session._adopt_optimizer_state, session._never_eligible
+
+    def walk(optimizer):
+        walking.append(True)
+        try:
+            real_walk(optimizer)
+        finally:
+            walking.pop()
+
+    session._adopt_optimizer_state = walk
+    session._never_eligible = lambda t: (walking and asked.append(t)) or real_ask(t)
+    losses += train(model, optimizer, session, steps=1)
+    assert asked == []
+    host_parameters = {id(p) for group in on_host for p in group["params"]}
+    replaced = {}
+    for parameter, state in optimizer.state.items():
+        if parameter.nbytes >= SMALL:
+            state["exp_avg"] = replaced[id(parameter)] = state["exp_avg"].clone()
+    losses += train(model, optimizer, session, steps=1)
+    managed = {
+        id(p): s["exp_avg"].untyped_storage()._cdata in session._entries
+        for p, s in optimizer.state.items()
+        if id(p) in replaced
+    }
+    session.close()
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
+    # What was asked about: the device groups' clones and the host views that took the place
+    # of the host groups' clones; one tensor each in place of a clone.
+    now = {id(s["exp_avg"]) for p, s in optimizer.state.items() if id(p) in replaced}
+    assert {id(t) for t in asked} == now and len(now) == len(replaced)
+    for parameter, state in optimizer.state.items():
+        if id(parameter) in replaced:
+            on_the_host = is_on_host(state["exp_avg"])
+            assert on_the_host == (id(parameter) in host_parameters)
+            assert (state["exp_avg"] is replaced[id(parameter)]) == (not on_the_host)
+            assert managed[id(parameter)] == (not on_the_host)  # the device groups' clones
+
+
 def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
     model, optimizer = make_model()
     _, other = make_model()
