@@ -231,3 +231,75 @@ def test_a_step_that_puts_a_new_state_tensor_in_place_keeps_it():
     assert_trained_alike(losses, parameters, expected[0], expected[1])
     ours = [optimizer.state[p]["m"] for p in parameters if optimizer.state[p]["m"].nbytes >= SMALL]
     assert ours and all(is_on_host(m) for m in ours)
+
+
+def test_steps_on_a_side_stream_stage_in_an_area_made_once_and_train_the_same(monkeypatch):
+    """Note [Staging areas] (the CPU device given an area, as a side stream has): each group's
+    staged copies are views of one area, made again only when a step needs more room; a step
+    that puts a new state tensor in place keeps it, and no room reads the state in place."""
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    session._host_state.areas_on_cpu = True
+    made = []
+    real = host_state._area_buffer
+    monkeypatch.setattr(host_state, "_area_buffer", lambda n, d: made.append(n) or real(n, d))
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=STEPS)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    groups = len(optimizer.param_groups)
+    assert stats["host_staged_steps"] == groups * (STEPS - 1)
+    # Made for the first staged group, and again only for a larger one: the backward steps the
+    # groups from the last, and make_model's groups are the same size but the last.
+    largest = max(
+        sum(-(-m.nbytes // 512) * 512 for m in moments(optimizer, [group]))
+        for group in optimizer.param_groups
+    )
+    assert made and made == sorted(made) and made[-1] == largest
+    assert len(made) <= 2
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+def test_no_room_for_an_area_reads_the_state_in_place_and_loses_nothing(monkeypatch):
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    session._host_state.areas_on_cpu = True
+    real = host_state._area_buffer
+    failed = []
+
+    def out_of_memory_once(nbytes, device):
+        if not failed:
+            failed.append(nbytes)
+            raise torch.OutOfMemoryError("injected: no room for the staging area")
+        return real(nbytes, device)
+
+    monkeypatch.setattr(host_state, "_area_buffer", out_of_memory_once)
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=STEPS)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert failed and stats["host_staging_fallbacks"] == 1 and stats["host_in_place_steps"] == 1
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+@pytest.mark.parametrize("areas", [False, True])
+def test_a_step_that_raises_in_an_area_loses_none_of_its_state(areas):
+    model, optimizer = make_model(groups=True)
+    want = train_through_a_failed_step(model, optimizer, None, fail_at=2)
+    expected = (want, list(model.parameters()), optimizer)
+    model, optimizer = make_model(groups=True)
+
+    def make_session(m, o):
+        session = session_for(m, o, limit=10**9, optimizer_state="host")
+        session._host_state.areas_on_cpu = areas
+        return session
+
+    losses = train_through_a_failed_step(model, optimizer, make_session, fail_at=2)
+    assert_same_training(losses, model, optimizer, expected)
+    assert all(is_on_host(m) for m in moments(optimizer))
