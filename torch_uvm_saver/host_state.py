@@ -46,25 +46,6 @@ Note [Staging the state on the host]
 
     On a CPU device (the simulated driver's tests) the host copy is an ordinary tensor and
     staging copies it to a second one: the same bookkeeping with no link.
-
-Note [Staging areas]
-    step_in_backward steps each parameter group whose state is on the host on one of two side
-    streams, once an iteration, with the same tensors each time. Allocating the staged copies
-    for each step (about 40 tensors a group of GPT-2 XL, from PyTorch's allocator) and recording
-    each on the side stream when it is dropped cost the host more than the copies: so each side
-    stream keeps one area of device memory from step to step, as large as its largest step, and
-    a step's staged copies are views of it, made once for each layout of staged tensors and
-    kept. The stream's order keeps it right: its next step copies in only after this one's
-    copies out, queued before on the same stream (and a copy out that a step which raised queues
-    on another stream is waited for there). On one H200 (GPT-2 XL at 2x, the helper's placement,
-    areas on and off on alternate steps of one process, 10 steps each;
-    scripts/lms_state_split.py --probe alternate with the switch noareas): 0.306 s a step, the
-    host done queuing it at 0.250 s, against 0.322 s and 0.289 s. Three processes of each, in
-    turn, ran 0.309-0.345 s against 0.319-0.386 s (medians 0.330 and 0.326): the lent machine's
-    processes differ by more. The areas stay taken between steps, out of the session's limit for
-    the rest; ``close()`` gives them back. A step on the compute stream (a whole
-    optimizer.step() staged) allocates its copies as before: an area there would stay taken
-    through the forward and the backward, which need the room.
 """
 
 from __future__ import annotations
@@ -90,30 +71,6 @@ def is_on_host(t: torch.Tensor) -> bool:
 def _device_copy(t: torch.Tensor) -> torch.Tensor:
     """Device memory for one staged tensor (tests inject out-of-memory here)."""
     return torch.empty_like(t)
-
-
-def _area_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Device memory for a stream's staging area (tests inject out-of-memory here)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-# Where each staged tensor starts in an area: 512 bytes, as the caching allocator's blocks (the
-# fused optimizers' vectorized loads want 16).
-_AREA_ALIGNMENT = 512
-# Layouts an area keeps views for (one a parameter group as a rule); past it they are remade.
-_AREA_LAYOUTS = 64
-
-
-class _Area:
-    """A side stream's device memory for the staged copies of its steps (Note [Staging
-    areas]), and the views of it that each layout of staged tensors got."""
-
-    __slots__ = ("buffer", "pointer", "views")
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
-        self.pointer = buffer.untyped_storage().data_ptr()
-        self.views: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
 
 class _Placed:
@@ -144,13 +101,7 @@ class HostState:
         # to copy back after it, and the stream it staged on.
         self._staged: list[tuple[dict[str, Any], str, _Placed, torch.Tensor]] = []
         self._staged_on: torch.cuda.Stream | None = None
-        self._staged_in_area = False
         self._staged_pointers: set[int] = set()
-        # Note [Staging areas]: a side stream's area, kept from step to step; areas_on_cpu
-        # gives the CPU device (no streams) one, for the simulated driver's tests.
-        self.areas = True
-        self.areas_on_cpu = False
-        self._areas: dict[torch.cuda.Stream | None, _Area] = {}
         self._last_out: torch.cuda.Event | None = None
         # Note [Stream hand-overs] in stream_handover.py
         self._handover = Handover() if device.type == "cuda" else None
@@ -214,13 +165,7 @@ class HostState:
         if nbytes > self.staging_bytes:
             self.in_place_steps += 1
             return
-        in_area = self.areas and self._has_area(stream)
-        views = [placed.view for _, _, placed in found]
-        copies = (
-            self._area_copies(views, found, stream)
-            if in_area
-            else self._device_copies(views, stream)
-        )
+        copies = self._device_copies([placed.view for _, _, placed in found], stream)
         if copies is None:
             self.staging_fallbacks += 1
             self.in_place_steps += 1
@@ -231,12 +176,8 @@ class HostState:
         for copy, (state, key, placed) in zip(copies, found):
             state[key] = copy
             self._staged.append((state, key, placed, copy))
-        if in_area:
-            self._staged_pointers.add(self._areas[stream].pointer)
-        else:
-            self._staged_pointers.update(c.untyped_storage().data_ptr() for c in copies)
+            self._staged_pointers.add(copy.untyped_storage().data_ptr())
         self._staged_on = stream
-        self._staged_in_area = in_area
         self.staged_steps += 1
         self.staged_bytes += nbytes
 
@@ -261,60 +202,6 @@ class HostState:
         except torch.OutOfMemoryError:
             return None
 
-    def _has_area(self, stream: torch.cuda.Stream | None) -> bool:
-        """Whether steps on `stream` stage in an area: a side stream's (Note [Staging areas])."""
-        if stream is None:
-            return self.areas_on_cpu
-        return stream != torch.cuda.default_stream(self.device)
-
-    def _area_copies(
-        self,
-        views: list[torch.Tensor],
-        found: list[tuple[dict[str, Any], str, _Placed]],
-        stream: torch.cuda.Stream | None,
-    ) -> list[torch.Tensor] | None:
-        """The staged copies as views of `stream`'s area, made once for each layout of staged
-        tensors; the area grows to the largest step (None when there is no room)."""
-        area = self._areas.get(stream)
-        layout = tuple(id(placed) for _, _, placed in found)
-        if area is not None:
-            known = area.views.get(layout)
-            if known is not None:
-                return known
-        sizes = [-(-v.nbytes // _AREA_ALIGNMENT) * _AREA_ALIGNMENT for v in views]
-        if area is None or area.buffer.nbytes < sum(sizes):
-            try:
-                area = self._new_area(sum(sizes), stream)
-            except torch.OutOfMemoryError:
-                return None
-        elif len(area.views) >= _AREA_LAYOUTS:
-            area.views.clear()
-        copies, offset = [], 0
-        for view, size in zip(views, sizes):
-            piece = area.buffer[offset : offset + view.nbytes]
-            copies.append(piece.view(view.dtype).view(view.shape))
-            offset += size
-        area.views[layout] = copies
-        return copies
-
-    def _new_area(self, nbytes: int, stream: torch.cuda.Stream | None) -> _Area:
-        """An area of `nbytes` for `stream`, in place of its smaller one. From the compute
-        stream's pool, as the staged copies are (_device_copies); the old one goes back once
-        the stream is past its last use."""
-        old = self._areas.pop(stream, None)
-        if stream is None:
-            area = _Area(_area_buffer(nbytes, self.device))
-        else:
-            if old is not None:
-                old.buffer.record_stream(stream)
-            del old
-            compute = torch.cuda.default_stream(self.device)
-            self._handover.wait_for(stream, compute)
-            with switched(compute, stream):
-                area = _Area(_area_buffer(nbytes, self.device))
-        self._areas[stream] = area
-        return area
-
     def replaced(self) -> list[torch.Tensor]:
         """The tensors the step under way put in place of staged state (instead of updating it
         in place): stage_out copies them to the host, so they must hold their bytes then."""
@@ -334,16 +221,12 @@ class HostState:
         copies = [state[key] for state, key, _, _ in staged]
         if copies:
             torch._foreach_copy_([p.host for _, _, p, _ in staged], copies, non_blocking=True)
-        in_area = self._staged_in_area
         for copy, (state, key, placed, _) in zip(copies, staged):
             state[key] = placed.view
-            if stream is not None and not in_area:
+            if stream is not None:
                 copy.record_stream(stream)  # reused once the copy out has read it
                 if self._staged_on is not None and self._staged_on != stream:
                     copy.record_stream(self._staged_on)
-        if in_area and stream is not None and self._staged_on not in (None, stream):
-            # The area's next step (on its own stream) overwrites it after this copy out.
-            self._handover.wait_for(self._staged_on, stream)
         if stream is not None and staged:
             event = stream.record_event()
             for _, _, placed, _ in staged:
@@ -366,11 +249,3 @@ class HostState:
         self.flush()
         if self._last_out is not None:
             self._last_out.synchronize()
-
-    def close(self) -> None:
-        """Every copy out finished and the staging areas given back."""
-        self.synchronize()
-        for stream, area in self._areas.items():
-            if stream is not None:
-                area.buffer.record_stream(stream)  # reused once its stream is past it
-        self._areas.clear()

@@ -725,7 +725,7 @@ class LmsSession:
             if limited:  # still open: the limit stays what the caller set
                 self._set_fraction()
             raise
-        self._host_state.close()
+        self._host_state.synchronize()
         self._let_go_of_everything()
 
     @property
