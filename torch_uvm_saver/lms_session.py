@@ -509,9 +509,11 @@ class LmsSession:
         self._host_parameters = {
             id(p) for group in self._host_groups_of(optimizer_state) for p in group["params"]
         }
-        # Per optimizer, the state tensors its last walk passed over for good, by id (held, so
-        # no other object takes the id): _adopt_optimizer_state.
-        self._passed_over: dict[int, dict[int, torch.Tensor]] = {}
+        # Per optimizer, the state tensors its last walk was done with for good, by id (held,
+        # so no other object takes the id), each with its block if the session holds it for
+        # good; and those blocks: _adopt_optimizer_state.
+        self._passed_over: dict[int, dict[int, tuple[torch.Tensor, int | None]]] = {}
+        self._state_held: dict[int, set[int]] = {}
         self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
@@ -593,6 +595,7 @@ class LmsSession:
             entry.forget()
         self._entries.clear()
         self._passed_over.clear()
+        self._state_held.clear()
         if self._expandable_turned_on:
             _set_allocator_settings("expandable_segments:False")
         self._closed = True
@@ -944,15 +947,21 @@ class LmsSession:
         for good (managed for good, or never eligible: on the host, too small, on another
         device, not resizable) and skips them in the next walk: every block ends with one, and
         on an H200's host, asking again about each of the state tensors of GPT-2 XL's shape
-        took 2.2 ms a walk, skipping them 0.4 ms (scripts/lms_block_end_cost.py)."""
+        took 2.2 ms a walk, skipping them 0.4 ms (scripts/lms_block_end_cost.py). A state
+        tensor held for good that the walk no longer finds (a checkpoint loaded in its place)
+        is given up: _release_state."""
         on_host = self._host_parameters
         known = self._passed_over.get(id(optimizer), {})
-        passed_over: dict[int, torch.Tensor] = {}
+        passed_over: dict[int, tuple[torch.Tensor, int | None]] = {}
+        held: set[int] = set()
         for parameter, state in optimizer.state.items():
             to_host = id(parameter) in on_host
             for key, value in state.items():  # only values change: the dict keeps its size
-                if known.get(id(value)) is value:
-                    passed_over[id(value)] = value
+                hit = known.get(id(value))
+                if hit is not None and hit[0] is value:
+                    passed_over[id(value)] = hit
+                    if hit[1] is not None:
+                        held.add(hit[1])
                     continue
                 if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                     continue
@@ -969,9 +978,10 @@ class LmsSession:
                 entry = self._entries.get(block)
                 if entry is None:
                     if self._never_eligible(value) is not None:
-                        passed_over[id(value)] = value  # a tensor object keeps its reasons
+                        passed_over[id(value)] = (value, None)  # an object keeps its reasons
                     elif self._eligible(value) is None:
                         self._add(value, persistent=True, what="optimizer state")
+                        held.add(block)
                 else:
                     if entry.strong is None:
                         # Allocated during a step: it stays for good. Whether it is out now (0
@@ -981,8 +991,33 @@ class LmsSession:
                         # on demand.
                         entry.strong = value.untyped_storage()
                         self._planner.make_persistent(block)
-                    passed_over[id(value)] = value  # held for good: only close() lets go
+                    passed_over[id(value)] = (value, block)
+                    held.add(block)
         self._passed_over[id(optimizer)] = passed_over  # what no longer holds drops out
+        gone = self._state_held.get(id(optimizer), set()) - held
+        self._state_held[id(optimizer)] = held
+        del known  # the tensor objects it held are no holders of their storages now
+        for block in gone:
+            self._release_state(block)
+
+    def _release_state(self, block: int) -> None:
+        """A state tensor the optimizer no longer holds: forgotten with its bytes if nothing
+        else holds its storage, else let go (its bytes back on the device first). Kept, it
+        would stay registered, and paged out to the host, until close(): every checkpoint
+        loaded in the middle of a session added a copy of the state."""
+        entry = self._entries.get(block)
+        if entry is None or entry.strong is None:
+            return
+        handle = entry.strong._weak_ref()
+        try:
+            users = torch._C._storage_Use_Count(handle)
+        finally:
+            torch.UntypedStorage._free_weak_ref(handle)
+        own = 1 + (entry.view is not None)  # the entry's storage, and its byte view if made
+        if users > own:
+            self._let_go(block)
+        else:
+            self._drop(block)
 
     def _let_go(self, block: int) -> None:
         """The session stops managing `block` (its bytes go on living elsewhere: the host's

@@ -1,6 +1,7 @@
 """lms_session on CPU tensors: the relocation and autograd logic that CI can run (the GPU
 scenarios in tests/gpu/lms_session_scenarios.py run the same on CUDA, streams included)."""
 
+import copy
 import importlib
 import weakref
 
@@ -608,6 +609,46 @@ def test_a_block_s_end_asks_again_only_about_state_tensors_it_has_not_seen():
             assert on_the_host == (id(parameter) in host_parameters)
             assert (state["exp_avg"] is replaced[id(parameter)]) == (not on_the_host)
             assert managed[id(parameter)] == (not on_the_host)  # the device groups' clones
+
+
+def test_a_checkpoint_loaded_mid_session_takes_the_old_state_s_place_and_trains_the_same():
+    # The old state's storages are given up at the next block's end: forgotten when nothing
+    # else holds them, let go with their bytes back in place when something does (a user's
+    # reference). Kept, each load would add a copy of the state to what the session holds.
+    reference_model, reference_optimizer = make_model(groups=True)
+    reference = train(reference_model, reference_optimizer, steps=5)
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-2:]
+    session = session_for(model, optimizer, budget=200_000, optimizer_state=on_host)
+    losses = train(model, optimizer, session, steps=2)
+    registered = session.stats()["registered_bytes"]
+    host_parameters = {id(p) for group in on_host for p in group["params"]}
+    kept = kept_bytes = None
+    for _ in range(3):
+        session.fetch_all()  # the state's bytes on the device, to copy
+        checkpoint = copy.deepcopy(optimizer.state_dict())
+        if kept is None:  # a user holds on to one of the device's moments
+            parameter = next(
+                p for p in model.parameters() if p.nbytes >= SMALL and id(p) not in host_parameters
+            )
+            kept = optimizer.state[parameter]["exp_avg"]
+            kept_bytes = kept.clone()
+        optimizer.load_state_dict(checkpoint)
+        losses += train(model, optimizer, session, steps=1)
+        assert session.stats()["registered_bytes"] == registered
+    stats = session.stats()
+    session.close()
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
+    assert stats["pageout_bytes"] > 0  # the budget paged the state meanwhile
+    assert kept.untyped_storage().nbytes() == kept.nbytes  # its bytes are back in place
+    assert torch.equal(kept, kept_bytes)
+    assert all(
+        is_on_host(v)
+        for p, state in optimizer.state.items()
+        if id(p) in host_parameters
+        for k, v in state.items()
+        if k != "step" and v.nbytes >= SMALL
+    )
 
 
 def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
