@@ -511,9 +511,8 @@ class LmsSession:
         }
         # Per optimizer, the state tensors its last walk was done with for good, by id (held,
         # so no other object takes the id), each with its block if the session holds it for
-        # good; and those blocks: _adopt_optimizer_state.
+        # good: _adopt_optimizer_state.
         self._passed_over: dict[int, dict[int, tuple[torch.Tensor, int | None]]] = {}
-        self._state_held: dict[int, set[int]] = {}
         self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
@@ -595,7 +594,6 @@ class LmsSession:
             entry.forget()
         self._entries.clear()
         self._passed_over.clear()
-        self._state_held.clear()
         if self._expandable_turned_on:
             _set_allocator_settings("expandable_segments:False")
         self._closed = True
@@ -812,9 +810,10 @@ class LmsSession:
 
     def _eligible(self, t: torch.Tensor) -> str | None:
         """Why `t`'s storage cannot be managed now, or None."""
-        why = self._never_eligible(t)
-        if why is not None:
-            return why
+        return self._never_eligible(t) or self._not_eligible_now(t)
+
+    def _not_eligible_now(self, t: torch.Tensor) -> str | None:
+        """Why `t`'s storage, eligible as a tensor, cannot be managed at this moment, or None."""
         if self._cuda and torch.cuda.is_current_stream_capturing():
             return "a CUDA graph is being captured"
         if self._host_state.is_staged(t):
@@ -979,8 +978,9 @@ class LmsSession:
                 if entry is None:
                     if self._never_eligible(value) is not None:
                         passed_over[id(value)] = (value, None)  # an object keeps its reasons
-                    elif self._eligible(value) is None:
+                    elif self._not_eligible_now(value) is None:
                         self._add(value, persistent=True, what="optimizer state")
+                        passed_over[id(value)] = (value, block)
                         held.add(block)
                 else:
                     if entry.strong is None:
@@ -994,8 +994,7 @@ class LmsSession:
                     passed_over[id(value)] = (value, block)
                     held.add(block)
         self._passed_over[id(optimizer)] = passed_over  # what no longer holds drops out
-        gone = self._state_held.get(id(optimizer), set()) - held
-        self._state_held[id(optimizer)] = held
+        gone = {block for _, block in known.values() if block is not None} - held
         del known  # the tensor objects it held are no holders of their storages now
         for block in gone:
             self._release_state(block)
