@@ -97,6 +97,8 @@ class HostState:
         self.staging_fallbacks = 0
         self.staged_bytes = 0
         self._placed: dict[tuple[int, str], _Placed] = {}  # (id(parameter), key) -> its state
+        # Host copies a load_state_dict under way took: (parameter, key, placed), see place_loaded
+        self._loaded: list[tuple[torch.Tensor, str, _Placed]] = []
         # What the step under way staged: (state dict, key, placed, the device copy put there)
         # to copy back after it, and the stream it staged on.
         self._staged: list[tuple[dict[str, Any], str, _Placed, torch.Tensor]] = []
@@ -121,23 +123,81 @@ class HostState:
         value = state[key]
         if not value.is_contiguous() or value.storage_offset() != 0:
             return False
-        cuda = self.device.type == "cuda"
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=cuda)
+        placed = self._host_copy(value, value.dtype)
+        self._keep((id(parameter), key), placed)
+        state[key] = placed.view
+        return True
+
+    @staticmethod
+    def takes_whole(value: torch.Tensor, host_bytes: torch.Tensor) -> bool:
+        """Whether ``host_bytes`` (a storage's bytes on the host) are ``value``'s, whole."""
+        return (
+            value.is_contiguous()
+            and value.storage_offset() == 0
+            and host_bytes.nbytes == value.nbytes
+        )
+
+    def place_bytes(
+        self, parameter: torch.Tensor, state: dict[str, Any], key: str, host_bytes: torch.Tensor
+    ) -> None:
+        """``state[key]`` on the host as ``host_bytes``, which hold its bytes (``takes_whole``)
+        in memory of the kind a host copy takes: they become its host copy, uncopied."""
+        value = state[key]
+        host = host_bytes.view(value.dtype).view(value.shape)
+        placed = self._placed_over(host)
+        self._keep((id(parameter), key), placed)
+        state[key] = placed.view
+
+    def place_loaded(
+        self, parameter: torch.Tensor, key: str, value: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A host copy of a checkpoint's ``value`` for ``parameter``'s ``state[key]``, as
+        ``dtype``; the view to load in its place (Note [Loading a checkpoint mid-session] in
+        state_loading.py). It counts once the optimizer holds the view (``commit_loaded``)."""
+        placed = self._host_copy(value, dtype)
+        self._loaded.append((parameter, key, placed))
+        return placed.view
+
+    def commit_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``load_state_dict``: the host copies that the optimizer now holds are those
+        parameters' state (a load that raised gets here never: ``forget_loaded``)."""
+        loaded, self._loaded = self._loaded, []
+        for parameter, key, placed in loaded:
+            if optimizer.state.get(parameter, {}).get(key) is placed.view:
+                self._keep((id(parameter), key), placed)
+
+    def forget_loaded(self) -> None:
+        """The host copies of a load_state_dict that raised go (their pinned memory with them)."""
+        if self._loaded:
+            self._loaded = []
+
+    def _host_copy(self, value: torch.Tensor, dtype: torch.dtype) -> _Placed:
+        """``value``'s bytes as ``dtype`` in a host buffer of their own, and its device view."""
+        host = torch.empty(value.shape, dtype=dtype, pin_memory=self.device.type == "cuda")
         host.copy_(value)
-        if cuda:
+        return self._placed_over(host)
+
+    def _placed_over(self, host: torch.Tensor) -> _Placed:
+        """``host`` as a host copy: known as one (is_on_host) and seen from the device."""
+        if self.device.type == "cuda":
             from .managed import _alias
 
             raw = _alias(host, host.data_ptr(), host.nbytes, self.device)
-            view = raw.view(value.dtype).view(value.shape)
+            view = raw.view(host.dtype).view(host.shape)
         else:
             view = host
         pointer = host.untyped_storage().data_ptr()
         _HOST_POINTERS[pointer] = host.nbytes
         weakref.finalize(host, _HOST_POINTERS.pop, pointer, None)
-        self._placed[(id(parameter), key)] = _Placed(host, view)
-        state[key] = view
-        self.placed_bytes += host.nbytes
-        return True
+        return _Placed(host, view)
+
+    def _keep(self, key: tuple[int, str], placed: _Placed) -> None:
+        """``placed`` is the state at ``key`` now; one it replaces no longer counts."""
+        old = self._placed.get(key)
+        if old is not None:
+            self.placed_bytes -= old.host.nbytes
+        self._placed[key] = placed
+        self.placed_bytes += placed.host.nbytes
 
     def stage_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a step: the state it reads is staged on the device, or read in place."""

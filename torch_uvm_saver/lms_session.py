@@ -215,7 +215,11 @@ Note [Optimizer state on the host]
     gradients and the state left on the device take half the limit (but a quarter of the state
     stays on the device if that fits in 3/4 of it). Between steps the optimizer holds device
     tensors over the host bytes (``host_state.is_on_host`` says which), so reading them
-    anywhere reads the right bytes; ``close()`` leaves them there.
+    anywhere reads the right bytes; ``close()`` leaves them there. State the session paged out
+    before it moves to the host (AdamW's, made in its first step, under a tight limit) hands
+    over its page-out's host copy as it is: copied through the device, it would first need
+    room there to come back in. A checkpoint loaded mid-session: Note [Loading a checkpoint
+    mid-session] in state_loading.py.
 
 Note [Reading a paged-out tensor]
     A paged-out storage has no device memory: its tensors point at nothing until an operator
@@ -246,6 +250,7 @@ from .lms_events import UNPACK, WATCH_MODES, EventWatch
 from .queued_copies import CopyQueue
 from .segment_move import byte_view as _byte_view
 from .segment_move import in_fixed_segments, move_into_expandable_segments
+from .state_loading import parameters_by_saved_id, with_host_state
 from .stream_handover import Handover, switched
 
 __all__ = ["LmsSession", "lms_session", "suggest_placement"]
@@ -560,6 +565,9 @@ class LmsSession:
         for optimizer in self._optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
+            # Note [Loading a checkpoint mid-session] in state_loading.py
+            self._handles.append(optimizer.register_load_state_dict_pre_hook(self._loading_state))
+            self._handles.append(optimizer.register_load_state_dict_post_hook(self._loaded_state))
             self._adopt_optimizer_state(optimizer)
         if watch == "modules":
             self._events = EventWatch(self, modules)
@@ -611,6 +619,7 @@ class LmsSession:
             with self._own_operators():
                 self._page_out_all(self._take_deferred())
         self._active = True
+        self._host_state.forget_loaded()  # a load_state_dict that raised took them
         if self._quiet:
             self._quiet_iterations += 1
             self._peak_at_enter = self._allocator_peak()
@@ -970,9 +979,7 @@ class LmsSession:
                     and value.nbytes >= self.min_bytes
                     and not is_on_host(value)
                 ):
-                    self._let_go(_storage_id(value))
-                    if self._host_state.place(parameter, state, key):
-                        value = state[key]
+                    value = self._to_host(parameter, state, key, value)
                 block = _storage_id(value)
                 entry = self._entries.get(block)
                 if entry is None:
@@ -999,6 +1006,81 @@ class LmsSession:
         for block in gone:
             self._release_state(block)
 
+    def _to_host(
+        self, parameter: torch.Tensor, state: dict[str, Any], key: str, value: torch.Tensor
+    ) -> torch.Tensor:
+        """A host group's state tensor moved to the host (Note [Optimizer state on the host]);
+        what the optimizer holds then. One this session paged out hands over its host copy as
+        it is: moved through the device, it would first need room there to come back in (the
+        state AdamW makes in its first step, placed at that block's end under a tight limit)."""
+        block = _storage_id(value)
+        entry = self._entries.get(block)
+        if (
+            entry is not None
+            and block in self._out
+            and entry.host is not None
+            and self._host_state.takes_whole(value, entry.host)
+        ):
+            if self._cuda and entry.out_event is not None:
+                entry.out_event.synchronize()  # the bytes are there once the copy out is done
+            host = entry.host
+            self._drop(block)
+            self._host_state.place_bytes(parameter, state, key, host)
+            return state[key]
+        self._let_go(block)
+        if self._host_state.place(parameter, state, key):
+            return state[key]
+        return value
+
+    def _loading_state(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Before ``optimizer.load_state_dict``: the host groups' state loads straight into host
+        memory, and the old state the checkpoint does not carry again goes out, to leave its
+        room to the new (Note [Loading a checkpoint mid-session] in state_loading.py)."""
+        self._host_state.forget_loaded()
+        parameters = parameters_by_saved_id(optimizer, state_dict)
+        if not parameters:
+            return None  # load_state_dict raises: the groups do not match
+        state_dict, carried = with_host_state(
+            optimizer, state_dict, parameters, self._loaded_to_host
+        )
+        known = self._passed_over.get(id(optimizer), {})
+        leaving = [b for t, b in known.values() if b is not None and id(t) not in carried]
+        self._page_out_now(leaving)
+        return state_dict
+
+    def _loaded_to_host(
+        self, parameter: torch.Tensor, key: str, value: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """A host group's state tensor as a checkpoint loads it: its host copy's device view,
+        or None where the block's end would not place it either (under min_bytes)."""
+        if id(parameter) not in self._host_parameters:
+            return None
+        if value.numel() * dtype.itemsize < self.min_bytes:
+            return None
+        return self._host_state.place_loaded(parameter, key, value, dtype)
+
+    def _loaded_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: the host copies it took are the state, and the
+        old state is given up now, not at the next block's end."""
+        self._host_state.commit_loaded(optimizer)
+        self._adopt_optimizer_state(optimizer)
+
+    def _page_out_now(self, blocks: list[int]) -> None:
+        """These blocks out to the host now, outside the planner's plans (their room is
+        wanted before an operator asks for it)."""
+        leaving = set(blocks)
+        if self._deferred and not leaving.isdisjoint(self._deferred):
+            with self._own_operators():  # out in the planner's books, still on the device
+                self._page_out_all(self._take_deferred())
+        resident = {b for b in leaving if b in self._entries and not self._planner.is_out(b)}
+        if not resident:
+            return
+        victims = self._planner.evict_all([b for b in self._entries if b not in resident])
+        with self._own_operators():
+            self._page_out_all(victims)
+
     def _release_state(self, block: int) -> None:
         """A state tensor the optimizer no longer holds: forgotten with its bytes if nothing
         else holds its storage, else let go (its bytes back on the device first). Kept, it
@@ -1013,10 +1095,13 @@ class LmsSession:
         finally:
             torch.UntypedStorage._free_weak_ref(handle)
         own = 1 + (entry.view is not None)  # the entry's storage, and its byte view if made
-        if users > own:
-            self._let_go(block)
-        else:
+        if users <= own:
             self._drop(block)
+            return
+        # With no room for its bytes beside the state that took its place, it stays managed,
+        # out, and comes in when read inside a block (or by fetch_all, or at close).
+        with contextlib.suppress(torch.OutOfMemoryError):
+            self._let_go(block)
 
     def _let_go(self, block: int) -> None:
         """The session stops managing `block` (its bytes go on living elsewhere: the host's

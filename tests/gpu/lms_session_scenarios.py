@@ -276,6 +276,103 @@ def optimizer_state_on_the_host_trains_bit_for_bit_under_the_limit() -> None:
     assert peak <= limit, f"peak {peak} over the limit {limit}"
 
 
+def train_resuming(session_for=None) -> tuple:
+    """Two steps, a checkpoint of the model and optimizer saved as torch.save writes it, one
+    step, the checkpoint loaded back (map_location="cpu"), two steps; with a session from
+    session_for(model, optimizer) when given. (losses, parameters, what the load observed)."""
+    import gc
+    import io
+
+    import torch
+
+    def allocated(when: str) -> None:
+        print(f"{when}: {torch.cuda.memory_allocated() / MiB:.1f} MiB allocated", flush=True)
+
+    gc.collect()  # the reference's training, gone
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    allocated("before the model")
+    model, optimizer = make_model()
+    session = session_for(model, optimizer) if session_for is not None else None
+    seen = {}
+    losses = train(model, optimizer, session, steps=2, checkpoint=True)
+    allocated("after two steps")
+    if session is not None:
+        session.fetch_all()  # the state's bytes on the device, to save
+        allocated("after fetch_all")
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    allocated("after saving")
+    losses += train(model, optimizer, session, steps=1, checkpoint=True)
+    saved.seek(0)
+    checkpoint = torch.load(saved, map_location="cpu")
+    if session is not None:
+        session.fetch_all()  # the model's load writes the parameters in place
+    model.load_state_dict(checkpoint["model"])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    peak_before = torch.cuda.max_memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    seen["before_load"] = before
+    seen["load_made"] = torch.cuda.max_memory_allocated() - before
+    seen["load_kept"] = torch.cuda.memory_allocated() - before
+    if session is not None:  # kept past the run: the reference's would stay on the device
+        seen["state"] = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    losses += train(model, optimizer, session, steps=2, checkpoint=True)
+    seen["peak"] = max(peak_before, torch.cuda.max_memory_reserved())
+    if session is not None:
+        seen["stats"] = session.stats()
+        session.close()
+    return losses, [p.detach().cpu() for p in model.parameters()], seen
+
+
+@scenario
+def a_checkpoint_loaded_mid_session_lands_in_its_placement_under_the_limit() -> None:
+    # Note [Loading a checkpoint mid-session] (state_loading.py): the host groups' moments load
+    # straight into page-locked host memory and the old state leaves the device before the new
+    # is made, so the load fits under a limit that the whole state beside the parameters would
+    # not; the training resumed from it is the same as without a limit, bit for bit.
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.host_state import is_on_host
+
+    # Room for the parameters (192 MiB), the state left on the device, cuBLAS's workspaces
+    # (66 MiB on an H200) and the activations, not for the whole state (384 MiB) beside them.
+    limit = 640 * MiB
+    on_host = slice(2, None)  # the last ten blocks' moments (320 MiB); 64 MiB on the device
+
+    def session_for(model, optimizer):
+        groups = optimizer.param_groups[on_host]
+        return tus.lms_session(limit, [model], [optimizer], optimizer_state=groups)
+
+    expected_losses, expected_params, _ = train_resuming()
+    assert expected_losses[3] == expected_losses[2], "the resumed step is not a replay"
+    losses, params, seen = train_resuming(session_for)
+    model, _ = make_model()
+    parameter_bytes = sum(p.nbytes for p in model.parameters())
+    state_bytes = 2 * parameter_bytes  # AdamW's two moments
+    device_state = 2 * sum(p.nbytes for p in model[: on_host.start].parameters())
+    # The host groups' moments the session places (the biases' are under its min_bytes)
+    placed = 2 * sum(p.nbytes for p in model[on_host].parameters() if p.nbytes >= MiB)
+    del model
+    print(
+        f"{seen['before_load'] / MiB:.0f} MiB allocated before the load; "
+        f"load made {seen['load_made'] / MiB:.1f} MiB on the device and kept "
+        f"{seen['load_kept'] / MiB:.1f} MiB (device groups' state {device_state / MiB:.0f} MiB; "
+        f"all of it {state_bytes / MiB:.0f} MiB); peak {seen['peak'] / MiB:.0f} MiB under "
+        f"{limit / MiB:.0f} MiB; {seen['stats']}"
+    )
+    check_same_training((expected_losses, expected_params), (losses, params))
+    # The whole state made on the device beside what was there: no room.
+    assert seen["before_load"] + state_bytes > limit
+    on_the_host = [t for t in seen["state"] if is_on_host(t)]
+    assert sum(t.nbytes for t in on_the_host) == placed
+    # The device groups' moments and the biases' (under min_bytes): nothing of the host's.
+    assert seen["load_made"] <= device_state + 2 * MiB, seen["load_made"]
+    assert seen["peak"] <= limit, f"peak {seen['peak']} over the limit {limit}"
+
+
 def managed_by(model, optimizer) -> list:
     """The parameters and optimizer state a session manages by default (1 MiB and more)."""
     import torch

@@ -3,6 +3,7 @@ watched by module hooks and autograd's events instead of every operator, and tra
 the session that watches every operator (Note [Watching by events] in lms_events.py)."""
 
 import contextlib
+import copy
 import importlib
 
 import pytest
@@ -473,6 +474,37 @@ def test_a_waiting_page_out_that_the_next_plan_brings_back_never_moves():
     # The other waiting page-outs were queued with that plan.
     queued = after["deferred_pageout_count"] - before["deferred_pageout_count"]
     assert queued == len(waiting) - 1
+
+
+def test_a_checkpoint_loaded_while_page_outs_wait_brings_a_kept_old_moment_back_whole():
+    # Note [Loading a checkpoint mid-session] with page-outs waiting (Note [Page-outs at the
+    # iteration's end]): the old state waiting to go out goes before the load makes the new
+    # state, and a moment of it that the user kept comes back with its bytes; the training
+    # resumed from the checkpoint is the reference's, bit for bit.
+    model, optimizer, stepping, x, y = stepping_model()
+    for _ in range(4):
+        one_step(model, optimizer, x, y)
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    optimizer.load_state_dict(copy.deepcopy(checkpoint))
+    for _ in range(2):
+        one_step(model, optimizer, x, y)
+    stepping.remove()
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    session, model, optimizer, stepping, x, y = session_with_page_outs_waiting()
+    waiting = set(session._deferred)
+    moment = {i: optimizer.state[p]["exp_avg"] for i, p in enumerate(model.parameters())}
+    index, kept = next((i, m) for i, m in moment.items() if m.untyped_storage()._cdata in waiting)
+    optimizer.load_state_dict(copy.deepcopy(checkpoint))
+    assert not session._deferred
+    assert kept.untyped_storage().nbytes() == kept.nbytes and torch.equal(kept, moments[index])
+    for _ in range(2):
+        with session:
+            one_step(model, optimizer, x, y)
+    stepping.remove()
+    session.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
 
 
 def test_an_error_queuing_the_waiting_page_outs_loses_no_block():

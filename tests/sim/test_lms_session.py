@@ -560,6 +560,49 @@ def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_s
     assert placed > 0 and stats["host_placed_bytes"] == placed
 
 
+def test_host_state_paged_out_in_its_first_step_goes_to_the_host_without_coming_back_in():
+    # Note [Optimizer state on the host]: AdamW's first step makes the state, and a tight budget
+    # pages part of it out before the block's end moves the host groups' to the host. Those out
+    # hand their host copies over: none takes device memory to come back in first (on a GPU,
+    # room the limit may not have). Training stays bit for bit.
+    reference_model, reference_optimizer = make_model(groups=True)
+    reference = train(reference_model, reference_optimizer, steps=3)
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    host_parameters = {id(p) for group in on_host for p in group["params"]}
+    session = session_for(model, optimizer, budget=200_000, optimizer_state=on_host)
+    walk, take = session._adopt_optimizer_state, session._take_device_memory
+    walks = []  # (host-group state out before the walk, device memory taken in it)
+
+    def watched_walk(optimizer):
+        out = sum(
+            session._planner.is_out(v.untyped_storage()._cdata)
+            for p, state in optimizer.state.items()
+            if id(p) in host_parameters
+            for v in state.values()
+            if v.untyped_storage()._cdata in session._entries
+        )
+        walks.append([out, 0, True])
+        walk(optimizer)
+        walks[-1][2] = False
+
+    def counted_take(storage, nbytes):
+        if walks and walks[-1][2]:
+            walks[-1][1] += 1
+        take(storage, nbytes)
+
+    session._adopt_optimizer_state = watched_walk
+    session._take_device_memory = counted_take
+    losses = train(model, optimizer, session, steps=3)
+    moments = _host_moments(optimizer, host_parameters)
+    session.close()
+    assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
+    first_block_end = walks[0]
+    assert first_block_end[0] > 0, "the budget no longer pages the new state out"
+    assert first_block_end[1] == 0
+    assert moments and all(is_on_host(t) for t in moments)
+
+
 def test_a_block_s_end_asks_again_only_about_state_tensors_it_has_not_seen():
     # Each block's end walks the optimizer's state: it remembers what it passed over for good
     # (the host's moments, the step counts under min_bytes) and asks nothing of them again; a
@@ -588,10 +631,13 @@ def test_a_block_s_end_asks_again_only_about_state_tensors_it_has_not_seen():
     assert asked == []
     host_parameters = {id(p) for group in on_host for p in group["params"]}
     replaced = {}
+    placed = session.stats()["host_placed_bytes"]
     for parameter, state in optimizer.state.items():
         if parameter.nbytes >= SMALL:
             state["exp_avg"] = replaced[id(parameter)] = state["exp_avg"].clone()
     losses += train(model, optimizer, session, steps=1)
+    # The host views placed in place of the clones count instead of those they replace.
+    assert session.stats()["host_placed_bytes"] == placed
     managed = {
         id(p): s["exp_avg"].untyped_storage()._cdata in session._entries
         for p, s in optimizer.state.items()
@@ -649,6 +695,183 @@ def test_a_checkpoint_loaded_mid_session_takes_the_old_state_s_place_and_trains_
         for k, v in state.items()
         if k != "step" and v.nbytes >= SMALL
     )
+
+
+def _host_moments(optimizer, host_parameters):
+    return [
+        v
+        for p, state in optimizer.state.items()
+        if id(p) in host_parameters
+        for k, v in state.items()
+        if k != "step" and v.nbytes >= SMALL
+    ]
+
+
+def _train_resuming(session_options, monkeypatch=None, seen=None):
+    """Two steps, a checkpoint of the model and optimizer (as torch.save keeps it: copies),
+    one step, the checkpoint loaded, two steps. With session_options, under a session; seen
+    collects what the load observed."""
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-2:]
+    session = None
+    if session_options is not None:
+        session = session_for(model, optimizer, optimizer_state=on_host, **session_options)
+    losses = train(model, optimizer, session, steps=2)
+    if session is not None:
+        session.fetch_all()  # the bytes on the device, to copy (Note [Reading a paged-out ...])
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    losses += train(model, optimizer, session, steps=1)
+    if session is not None:
+        session.fetch_all()  # the parameters are written in place by the model's load
+        host_parameters = {id(p) for group in on_host for p in group["params"]}
+        old = [v for state in optimizer.state.values() for v in state.values() if v.nbytes >= SMALL]
+        seen["before"] = session.stats()
+        # The host groups' moments the session places: PyTorch loads the rest (on a CPU
+        # "device"; the step counts anywhere) as the tensors themselves, and training writes
+        # them.
+        saved = checkpoint["optimizer"]
+        host_ids = {i for group in saved["param_groups"][-2:] for i in group["params"]}
+        seen["checkpoint"] = [
+            (s, k, v, v.clone())
+            for i, s in saved["state"].items()
+            if i in host_ids
+            for k, v in s.items()
+            if k != "step" and v.nbytes >= SMALL
+        ]
+        real = torch.optim.Optimizer._process_value_according_to_param_policy
+
+        def cast(param, value, param_id, param_groups, key=None):
+            if "old_bytes" not in seen:  # the load's first cast: what the old state holds
+                seen["old_bytes"] = [t.untyped_storage().nbytes() for t in old if not is_on_host(t)]
+            out = real(param, value, param_id, param_groups, key)
+            if id(param) in host_parameters and key != "step" and out.nbytes >= SMALL:
+                seen.setdefault("host_casts", []).append(out is value and is_on_host(out))
+            return out
+
+        monkeypatch.setattr(
+            torch.optim.Optimizer, "_process_value_according_to_param_policy", staticmethod(cast)
+        )
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if session is not None:
+        monkeypatch.undo()
+        seen["after"] = session.stats()
+        seen["host_moments"] = _host_moments(optimizer, host_parameters)
+    losses += train(model, optimizer, session, steps=2)
+    if session is not None:
+        session.close()
+    return losses, list(model.parameters())
+
+
+def test_a_checkpoint_loads_into_its_placement_and_the_old_state_leaves_before_it(monkeypatch):
+    # Note [Loading a checkpoint mid-session]: the host groups' state loads straight into host
+    # memory (PyTorch's cast keeps the host copy: no device copy is made), the old state the
+    # checkpoint does not carry again is out before the first cast, and load_state_dict returns
+    # with the old state given up and the checkpoint's dict as it was.
+    reference = _train_resuming(None)
+    # Resumed, the training replays the step after the checkpoint.
+    assert reference[0][3] == reference[0][2]
+    seen = {}
+    losses, parameters = _train_resuming({"budget": 200_000}, monkeypatch, seen)
+    assert_trained_alike(losses, parameters, *reference)
+    assert seen["old_bytes"] and not any(seen["old_bytes"])
+    assert seen["host_casts"] and all(seen["host_casts"])
+    assert seen["host_moments"] and all(is_on_host(t) for t in seen["host_moments"])
+    for key in ("registered_bytes", "host_placed_bytes"):
+        assert seen["after"][key] == seen["before"][key], key
+    assert seen["checkpoint"]
+    for state, key, value, bytes_before in seen["checkpoint"]:
+        assert state[key] is value and not is_on_host(value) and torch.equal(value, bytes_before)
+
+
+def _two_steps_and_a_checkpoint():
+    """Four steps of the reference (losses, model); two under a session with two groups' state
+    on the host: the model, optimizer, session, losses and a checkpoint of the optimizer."""
+    reference_model, reference_optimizer = make_model(groups=True)
+    reference = train(reference_model, reference_optimizer, steps=4), reference_model
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, optimizer_state=optimizer.param_groups[-2:])
+    losses = train(model, optimizer, session, steps=2)
+    session.fetch_all()
+    return reference, model, optimizer, session, losses, copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_trained_as(reference, losses, model):
+    reference_losses, reference_model = reference
+    assert_trained_alike(losses, model.parameters(), reference_losses, reference_model.parameters())
+
+
+def test_a_checkpoint_of_other_groups_is_refused_by_torch_and_loses_nothing():
+    reference, model, optimizer, session, losses, checkpoint = _two_steps_and_a_checkpoint()
+    checkpoint["param_groups"] = checkpoint["param_groups"][1:]
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        optimizer.load_state_dict(checkpoint)
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    checkpoint["param_groups"][-1]["params"] = checkpoint["param_groups"][-1]["params"][:1]
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        optimizer.load_state_dict(checkpoint)
+    losses += train(model, optimizer, session, steps=2)
+    session.close()
+    _assert_trained_as(reference, losses, model)
+
+
+def test_a_load_that_fails_mid_way_loses_nothing_and_leaves_no_host_copy(monkeypatch):
+    # Out of memory (here injected) while PyTorch makes the loaded state, after the session
+    # took the host groups' copies: the old state stays the optimizer's and trains on bit for
+    # bit, the copies never count and are gone by the next block.
+    from torch_uvm_saver import host_state
+
+    reference, model, optimizer, session, losses, checkpoint = _two_steps_and_a_checkpoint()
+    placed, copies = session.stats()["host_placed_bytes"], len(host_state._HOST_POINTERS)
+    real = torch.optim.Optimizer._process_value_according_to_param_policy
+    casts = []
+
+    def failing(param, value, param_id, param_groups, key=None):
+        casts.append(key)
+        if len(casts) == 20:
+            raise torch.OutOfMemoryError("injected: no room for the loaded state")
+        return real(param, value, param_id, param_groups, key)
+
+    monkeypatch.setattr(
+        torch.optim.Optimizer, "_process_value_according_to_param_policy", staticmethod(failing)
+    )
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        optimizer.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    assert len(host_state._HOST_POINTERS) > copies  # the host groups' copies were made
+    assert session.stats()["host_placed_bytes"] == placed
+    losses += train(model, optimizer, session, steps=2)
+    assert len(host_state._HOST_POINTERS) == copies
+    session.close()
+    _assert_trained_as(reference, losses, model)
+
+
+def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
+    # Note [Loading a checkpoint mid-session]: a moment of the old state that the user kept
+    # comes back in after the load; with no room for it, it stays managed, out, and its bytes
+    # are whole once fetched. The load itself goes through.
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, budget=200_000)
+    train(model, optimizer, session, steps=2)
+    session.fetch_all()
+    parameter = next(p for p in model.parameters() if p.nbytes >= SMALL)
+    kept = optimizer.state[parameter]["exp_avg"]
+    kept_bytes = kept.clone()
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    real = session._take_device_memory
+
+    def no_room(storage, nbytes):
+        raise torch.OutOfMemoryError("injected: no room to bring the old moment back")
+
+    session._take_device_memory = no_room
+    optimizer.load_state_dict(checkpoint)
+    session._take_device_memory = real
+    assert kept.untyped_storage()._cdata in session._entries
+    assert kept.untyped_storage().nbytes() == 0  # out: read it after fetch_all()
+    session.fetch_all()
+    assert torch.equal(kept, kept_bytes)
+    train(model, optimizer, session, steps=1)
+    session.close()
 
 
 def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
