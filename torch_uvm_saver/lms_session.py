@@ -518,6 +518,7 @@ class LmsSession:
         # so no other object takes the id), each with its block if the session holds it for
         # good: _adopt_optimizer_state.
         self._passed_over: dict[int, dict[int, tuple[torch.Tensor, int | None]]] = {}
+        self._added: set[int] = set()  # blocks add() was given: managed whoever else holds them
         self._expandable_turned_on = False
         self._quiet = False  # this iteration runs unwatched (Note [Quiet iterations])
         self._quiet_line = self.limit - self.limit // QUIET_HEADROOM_DIVISOR
@@ -602,6 +603,7 @@ class LmsSession:
             entry.forget()
         self._entries.clear()
         self._passed_over.clear()
+        self._added.clear()
         if self._expandable_turned_on:
             _set_allocator_settings("expandable_segments:False")
         self._closed = True
@@ -706,7 +708,7 @@ class LmsSession:
     def add(self, *tensors: torch.Tensor) -> None:
         """Manage these tensors' storages too, for as long as they live."""
         for t in tensors:
-            self._add(t, persistent=True, what="tensor")
+            self._added.add(self._add(t, persistent=True, what="tensor"))
 
     def fetch_all(self) -> None:
         """Page every managed storage back in (they must fit under the limit together)."""
@@ -1087,8 +1089,8 @@ class LmsSession:
         would stay registered, and paged out to the host, until close(): every checkpoint
         loaded in the middle of a session added a copy of the state."""
         entry = self._entries.get(block)
-        if entry is None or entry.strong is None:
-            return
+        if entry is None or entry.strong is None or block in self._added:
+            return  # add()'s stay managed: the optimizer was not the only one to give them
         handle = entry.strong._weak_ref()
         try:
             users = torch._C._storage_Use_Count(handle)

@@ -874,6 +874,26 @@ def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
     session.close()
 
 
+def test_state_the_user_added_to_the_session_stays_managed_after_a_load():
+    # session.add() manages a storage for as long as it lives: a checkpoint loaded in place of
+    # an optimizer state tensor the user also added does not end that.
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, budget=200_000)
+    train(model, optimizer, session, steps=2)
+    session.fetch_all()
+    parameter = next(p for p in model.parameters() if p.nbytes >= SMALL)
+    added = optimizer.state[parameter]["exp_avg"]
+    session.add(added)
+    added_bytes = added.clone()
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert added is not optimizer.state[parameter]["exp_avg"]
+    assert added.untyped_storage()._cdata in session._entries
+    train(model, optimizer, session, steps=1)
+    session.fetch_all()
+    assert torch.equal(added, added_bytes)
+    session.close()
+
+
 def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
     model, optimizer = make_model()
     _, other = make_model()
