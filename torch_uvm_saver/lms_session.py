@@ -235,10 +235,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C
@@ -563,6 +566,10 @@ class LmsSession:
                     self._handles.append(
                         parameter.register_post_accumulate_grad_hook(self._adopt_gradient)
                     )
+        # An optimizer the session was not given, stepping what it manages: said once.
+        self._own_optimizers = {id(o) for o in self._optimizers}  # held: their ids stay theirs
+        self._other_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._handles.append(register_optimizer_step_pre_hook(self._other_optimizer_steps))
         for optimizer in self._optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_starts))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_ends))
@@ -917,6 +924,27 @@ class LmsSession:
             and self._eligible(grad) is None
         ):
             self._add(grad, persistent=False, what="gradient")
+
+    def _other_optimizer_steps(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        """Warns, once for each, of an optimizer that steps parameters this session manages
+        but was not given: its state stays out of the session's sight, on the device and
+        outside the limit it pages to (the out-of-memory error that follows would not say
+        why)."""
+        if id(optimizer) in self._own_optimizers or optimizer in self._other_optimizers:
+            return
+        self._other_optimizers.add(optimizer)  # asked once: its parameters stay its own
+        ours = sum(
+            _storage_id(p) in self._entries for g in optimizer.param_groups for p in g["params"]
+        )
+        if ours:
+            warnings.warn(
+                f"lms_session: an optimizer ({type(optimizer).__name__}) steps {ours} "
+                "parameters this session manages, but the session was not given it "
+                "(lms_session(limit, modules, optimizers=[...])): its state is not managed, it "
+                "stays on the device outside the limit the session pages to",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _optimizer_starts(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._host_state.placed_bytes:

@@ -894,6 +894,27 @@ def test_state_the_user_added_to_the_session_stays_managed_after_a_load():
     session.close()
 
 
+def test_an_optimizer_the_session_was_not_given_is_named_once(recwarn):
+    # Its state would stay on the device outside the limit, unmanaged: the out-of-memory error
+    # that follows would not say why. Said once for each such optimizer; one over parameters
+    # the session does not manage, the session's own and any after close() are not named.
+    model, given = make_model()
+    session = tus.lms_session(10**7, [model], [given], device="cpu", min_bytes=SMALL)
+    other = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    unrelated = torch.optim.SGD(torch.nn.Linear(128, 128).parameters(), lr=1e-3)
+    for optimizer in (other, other, unrelated, given):
+        train(model, optimizer, session, steps=2)
+    named = [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert len(named) == 1, [str(w.message) for w in named]
+    message = str(named[0].message)
+    assert "an optimizer (SGD) steps 6 parameters this session manages" in message
+    assert "optimizers=[...]" in message
+    session.close()
+    late = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train(model, late, steps=1)
+    assert len([w for w in recwarn if issubclass(w.category, RuntimeWarning)]) == 1
+
+
 def test_a_placement_naming_a_foreign_group_or_of_the_wrong_type_is_refused():
     model, optimizer = make_model()
     _, other = make_model()
