@@ -846,17 +846,23 @@ def test_a_load_that_fails_mid_way_loses_nothing_and_leaves_no_host_copy(monkeyp
     _assert_trained_as(reference, losses, model)
 
 
-def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
-    # Note [Loading a checkpoint mid-session]: a moment of the old state that the user kept
-    # comes back in after the load; with no room for it, it stays managed, out, and its bytes
-    # are whole once fetched. The load itself goes through.
+def _a_moment_after_two_steps():
+    """Two steps under a small budget, everything fetched: the model, optimizer, session, the
+    first weight, its first moment and a copy of the moment's bytes."""
     model, optimizer = make_model(groups=True)
     session = session_for(model, optimizer, budget=200_000)
     train(model, optimizer, session, steps=2)
     session.fetch_all()
     parameter = next(p for p in model.parameters() if p.nbytes >= SMALL)
-    kept = optimizer.state[parameter]["exp_avg"]
-    kept_bytes = kept.clone()
+    moment = optimizer.state[parameter]["exp_avg"]
+    return model, optimizer, session, parameter, moment, moment.clone()
+
+
+def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
+    # Note [Loading a checkpoint mid-session]: a moment of the old state that the user kept
+    # comes back in after the load; with no room for it, it stays managed, out, and its bytes
+    # are whole once fetched. The load itself goes through.
+    model, optimizer, session, _, kept, kept_bytes = _a_moment_after_two_steps()
     checkpoint = copy.deepcopy(optimizer.state_dict())
     real = session._take_device_memory
 
@@ -877,14 +883,8 @@ def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
 def test_state_the_user_added_to_the_session_stays_managed_after_a_load():
     # session.add() manages a storage for as long as it lives: a checkpoint loaded in place of
     # an optimizer state tensor the user also added does not end that.
-    model, optimizer = make_model(groups=True)
-    session = session_for(model, optimizer, budget=200_000)
-    train(model, optimizer, session, steps=2)
-    session.fetch_all()
-    parameter = next(p for p in model.parameters() if p.nbytes >= SMALL)
-    added = optimizer.state[parameter]["exp_avg"]
+    model, optimizer, session, parameter, added, added_bytes = _a_moment_after_two_steps()
     session.add(added)
-    added_bytes = added.clone()
     optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     assert added is not optimizer.state[parameter]["exp_avg"]
     assert added.untyped_storage()._cdata in session._entries
