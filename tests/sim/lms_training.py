@@ -61,6 +61,19 @@ def train(
     return losses
 
 
+def moments(optimizer, groups=None):
+    """The state tensors a session may place on the host (all but the step counts), in the
+    parameters' order."""
+    chosen = optimizer.param_groups if groups is None else groups
+    return [
+        value
+        for group in chosen
+        for parameter in group["params"]
+        for key, value in optimizer.state.get(parameter, {}).items()
+        if key != "step" and value.nbytes >= SMALL
+    ]
+
+
 def session_for(model, optimizer, budget=200_000, limit=None, **options):
     """A CPU session over the model and optimizer (limit: 10 x budget unless given)."""
     return tus.lms_session(

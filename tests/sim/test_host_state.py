@@ -7,26 +7,13 @@ import contextlib
 
 import pytest
 import torch
-from lms_training import SMALL, assert_trained_alike, make_model, session_for, train
+from lms_training import SMALL, assert_trained_alike, make_model, moments, session_for, train
 
 import torch_uvm_saver as tus
 from torch_uvm_saver import host_state
 from torch_uvm_saver.host_state import is_on_host
 
 STEPS = 4
-
-
-def moments(optimizer, groups=None):
-    """The state tensors a session may place on the host (all but the step counts), in the
-    parameters' order."""
-    chosen = optimizer.param_groups if groups is None else groups
-    return [
-        value
-        for group in chosen
-        for parameter in group["params"]
-        for key, value in optimizer.state.get(parameter, {}).items()
-        if key != "step" and value.nbytes >= SMALL
-    ]
 
 
 def reference(steps=STEPS, **options):

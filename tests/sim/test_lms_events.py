@@ -442,6 +442,18 @@ def one_step(model, optimizer, x, y) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def stepped_without_a_session(steps, after=None, then=None):
+    """stepping_model's parameters after `steps` steps with no session; then(model, optimizer)
+    runs once the first `after` of them are done."""
+    model, optimizer, stepping, x, y = stepping_model()
+    for step in range(steps):
+        if step == after:
+            then(model, optimizer)
+        one_step(model, optimizer, x, y)
+    stepping.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def session_with_page_outs_waiting():
     """A session whose last iteration left page-outs waiting (Note [Page-outs at the
     iteration's end]), with its model, optimizer, hooks and the step's inputs."""
@@ -481,16 +493,15 @@ def test_a_checkpoint_loaded_while_page_outs_wait_brings_a_kept_old_moment_back_
     # iteration's end]): the old state waiting to go out goes before the load makes the new
     # state, and a moment of it that the user kept comes back with its bytes; the training
     # resumed from the checkpoint is the reference's, bit for bit.
-    model, optimizer, stepping, x, y = stepping_model()
-    for _ in range(4):
-        one_step(model, optimizer, x, y)
-    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
-    checkpoint = copy.deepcopy(optimizer.state_dict())
-    optimizer.load_state_dict(copy.deepcopy(checkpoint))
-    for _ in range(2):
-        one_step(model, optimizer, x, y)
-    stepping.remove()
-    reference = [p.detach().clone() for p in model.parameters()]
+    saved = {}
+
+    def checkpointed(model, optimizer):  # after four steps: saved, and loaded back
+        saved["moments"] = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+        saved["checkpoint"] = copy.deepcopy(optimizer.state_dict())
+        optimizer.load_state_dict(copy.deepcopy(saved["checkpoint"]))
+
+    reference = stepped_without_a_session(6, after=4, then=checkpointed)
+    moments, checkpoint = saved["moments"], saved["checkpoint"]
 
     session, model, optimizer, stepping, x, y = session_with_page_outs_waiting()
     waiting = set(session._deferred)
@@ -508,11 +519,7 @@ def test_a_checkpoint_loaded_while_page_outs_wait_brings_a_kept_old_moment_back_
 
 
 def test_an_error_queuing_the_waiting_page_outs_loses_no_block():
-    model, optimizer, stepping, x, y = stepping_model()
-    for _ in range(6):
-        one_step(model, optimizer, x, y)
-    stepping.remove()
-    reference = [p.detach().clone() for p in model.parameters()]
+    reference = stepped_without_a_session(6)
 
     session, model, optimizer, stepping, x, y = session_with_page_outs_waiting()
     waiting = list(session._deferred)

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 import torch.utils.checkpoint
-from lms_training import SMALL, assert_trained_alike, make_model, session_for, train
+from lms_training import SMALL, assert_trained_alike, make_model, moments, session_for, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_uvm_saver as tus
@@ -390,8 +390,7 @@ def test_optimizer_state_on_the_host_leaves_the_session_and_trains_the_same():
     stats = session.stats()
     session.close()
     assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
-    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
-    big = [m for m in moments if m.nbytes >= SMALL]
+    big = moments(optimizer)
     assert big and all(is_on_host(m) for m in big)
     assert stats["host_placed_bytes"] == sum(m.nbytes for m in big)
     # The session no longer holds the moments: what it registered is parameters and gradients.
@@ -594,13 +593,13 @@ def test_host_state_paged_out_in_its_first_step_goes_to_the_host_without_coming_
     session._adopt_optimizer_state = watched_walk
     session._take_device_memory = counted_take
     losses = train(model, optimizer, session, steps=3)
-    moments = _host_moments(optimizer, host_parameters)
+    on_the_host = moments(optimizer, on_host)
     session.close()
     assert_trained_alike(losses, model.parameters(), reference, reference_model.parameters())
     first_block_end = walks[0]
     assert first_block_end[0] > 0, "the budget no longer pages the new state out"
     assert first_block_end[1] == 0
-    assert moments and all(is_on_host(t) for t in moments)
+    assert on_the_host and all(is_on_host(t) for t in on_the_host)
 
 
 def test_a_block_s_end_asks_again_only_about_state_tensors_it_has_not_seen():
@@ -688,23 +687,7 @@ def test_a_checkpoint_loaded_mid_session_takes_the_old_state_s_place_and_trains_
     assert stats["pageout_bytes"] > 0  # the budget paged the state meanwhile
     assert kept.untyped_storage().nbytes() == kept.nbytes  # its bytes are back in place
     assert torch.equal(kept, kept_bytes)
-    assert all(
-        is_on_host(v)
-        for p, state in optimizer.state.items()
-        if id(p) in host_parameters
-        for k, v in state.items()
-        if k != "step" and v.nbytes >= SMALL
-    )
-
-
-def _host_moments(optimizer, host_parameters):
-    return [
-        v
-        for p, state in optimizer.state.items()
-        if id(p) in host_parameters
-        for k, v in state.items()
-        if k != "step" and v.nbytes >= SMALL
-    ]
+    assert all(is_on_host(v) for v in moments(optimizer, on_host))
 
 
 def _train_resuming(session_options, monkeypatch=None, seen=None):
@@ -756,7 +739,7 @@ def _train_resuming(session_options, monkeypatch=None, seen=None):
     if session is not None:
         monkeypatch.undo()
         seen["after"] = session.stats()
-        seen["host_moments"] = _host_moments(optimizer, host_parameters)
+        seen["host_moments"] = moments(optimizer, on_host)
     losses += train(model, optimizer, session, steps=2)
     if session is not None:
         session.close()
