@@ -125,7 +125,9 @@ COUNTED = (  # the session's counters reported per step
 # --watch modules) counts an allocator retry in a recorded iteration as a near miss
 # (learn_from_retries; not kept: benchmarks/results/lms_retry_near_misses_NVIDIA_H200.txt);
 # nodefer queues the page-outs asked for after an iteration's last read at once instead of
-# with the next iteration's first plan (Note [Page-outs at the iteration's end]).
+# with the next iteration's first plan (Note [Page-outs at the iteration's end]); noareas
+# stages a side stream's steps in copies allocated for each step instead of in the stream's
+# area (Note [Staging areas]).
 SWITCHES = (
     "clear",
     "events",
@@ -136,6 +138,7 @@ SWITCHES = (
     "pycopies",
     "retrymiss",
     "nodefer",
+    "noareas",
 )
 
 
@@ -555,6 +558,8 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
         toggles.append(lambda on: setattr(session._copies, "native", not on))
     if "noahead" in switches:
         toggles.append(lambda on: setattr(session._planner, "page_out_ahead", not on))
+    if "noareas" in switches:
+        toggles.append(lambda on: setattr(session._host_state, "areas", not on))
     if "nomiss" in switches:
         check = session._check_margin
         toggles.append(
@@ -840,6 +845,8 @@ def run_one(
             session._copies.native = False
         if "nodefer" in switches:
             session._defer_end_pageouts = False
+        if "noareas" in switches:
+            session._host_state.areas = False
         if "retrymiss" in switches:
             learn_from_retries(session)
         if probe == "alternate":

@@ -653,6 +653,8 @@ class LmsSession:
     def __exit__(self, *exc_info: object) -> None:
         self._active = False
         self._in_optimizer_step = False
+        with self._own_operators():  # the next forward needs the room (Note [Staging areas])
+            self._host_state.give_back_areas()
         failed = exc_info[0] is not None
         if isinstance(exc_info[1], torch.OutOfMemoryError):
             self._explain_unwatched_oom(exc_info[1])
@@ -744,7 +746,7 @@ class LmsSession:
             if limited:  # still open: the limit stays what the caller set
                 self._set_fraction()
             raise
-        self._host_state.synchronize()
+        self._host_state.close()
         self._let_go_of_everything()
 
     @property

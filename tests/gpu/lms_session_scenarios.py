@@ -662,13 +662,18 @@ def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
     # its own group's step. Every step is held back on the side stream (a sleep queued before
     # it), so a layer that did not wait would read its parameters before their update. Then the
     # same with half the groups' state on the host (their own lanes, staged through the device
-    # a group at a time) under a session.
+    # a group at a time, in their lanes' staging areas: Note [Staging areas]) under a session.
     import torch
 
     import torch_uvm_saver as tus
+    from torch_uvm_saver import host_state
     from torch_uvm_saver.host_state import is_on_host
 
     expected = reference(checkpoint=True)
+    made, taken = [], []  # the staging areas' sizes as they are made; their memory taken again
+    real_area, real_memory = host_state._area_buffer, host_state._area_memory
+    host_state._area_buffer = lambda n, device: made.append(n) or real_area(n, device)
+    host_state._area_memory = lambda buffer, n: taken.append(n) or real_memory(buffer, n)
     for limit in (None, expected[2] * 2 // 3):
         torch.cuda.empty_cache()
         model, optimizer = make_model()
@@ -692,6 +697,9 @@ def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
             ),
         )
         stats = session.stats() if session is not None else {}
+        areas = session._host_state._areas.values() if session is not None else []
+        # Between iterations the areas hold no memory: the forward has the room.
+        held_after_the_block = [area.holds_memory for area in areas]
         if session is not None:
             session.close()
         overlap.remove()
@@ -712,7 +720,14 @@ def step_in_backward_waits_in_the_forward_and_trains_bit_for_bit() -> None:
             host_groups = len(optimizer.param_groups) - LAYERS // 2
             assert stats["host_staged_steps"] == host_groups * 3, stats  # steps 2 to 4
             assert stats["host_in_place_steps"] == 0, stats
+            # An area a lane, made again only for a larger group (not one a step), its memory
+            # taken again once a lane an iteration (not one allocation a staged tensor).
+            print(f"areas made: {made}, memory taken again: {taken}")
+            assert 0 < len(made) < stats["host_staged_steps"] // 2, made
+            assert len(taken) < stats["host_staged_steps"], taken
+            assert held_after_the_block and not any(held_after_the_block), held_after_the_block
         del model, optimizer
+    host_state._area_buffer, host_state._area_memory = real_area, real_memory
 
 
 @scenario

@@ -538,16 +538,18 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
 
     before = hooks()
     toggles = lms_state_split.switch_toggles(
-        session, model, frozenset({"pycopies", "noahead", "nomiss", "clear"})
+        session, model, frozenset({"pycopies", "noahead", "nomiss", "clear", "noareas"})
     )
     for toggle in toggles:
         toggle(True)
+    assert session._host_state.areas is False
     assert session._copies.native is False
     assert session._planner.page_out_ahead is False
     assert session._check_margin is not check
     assert hooks() == before + owners  # clearing in every iteration
     for toggle in toggles:
         toggle(False)
+    assert session._host_state.areas is True
     assert session._copies.native is True
     assert session._planner.page_out_ahead is True
     assert session._check_margin == check

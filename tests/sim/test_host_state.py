@@ -218,3 +218,157 @@ def test_a_step_that_puts_a_new_state_tensor_in_place_keeps_it():
     assert_trained_alike(losses, parameters, expected[0], expected[1])
     ours = [optimizer.state[p]["m"] for p in parameters if optimizer.state[p]["m"].nbytes >= SMALL]
     assert ours and all(is_on_host(m) for m in ours)
+
+
+def test_steps_on_a_side_stream_stage_in_an_area_made_once_and_train_the_same(monkeypatch):
+    """Note [Staging areas] (the CPU device given an area, as a side stream has): each group's
+    staged copies are views of one area, made again only when a step needs more room; a step
+    that puts a new state tensor in place keeps it, and no room reads the state in place."""
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    session._host_state.areas_on_cpu = True
+    made = []
+    real = host_state._area_buffer
+    monkeypatch.setattr(host_state, "_area_buffer", lambda n, d: made.append(n) or real(n, d))
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=STEPS)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    groups = len(optimizer.param_groups)
+    assert stats["host_staged_steps"] == groups * (STEPS - 1)
+    # Made for the first staged group, and again only for a larger one: the backward steps the
+    # groups from the last, and make_model's groups are the same size but the last.
+    largest = max(
+        sum(-(-m.nbytes // 512) * 512 for m in moments(optimizer, [group]))
+        for group in optimizer.param_groups
+    )
+    assert made and made == sorted(made) and made[-1] == largest
+    assert len(made) <= 2
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+@pytest.mark.parametrize("when", ["made", "taken again"])
+def test_no_room_for_an_area_reads_the_state_in_place_and_loses_nothing(monkeypatch, when):
+    """No room to make the area (its first step), or to take its memory again after it gave it
+    back (a later step): that step reads the state in place, the next one stages again."""
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    session._host_state.areas_on_cpu = True
+    name = "_area_buffer" if when == "made" else "_area_memory"
+    real = getattr(host_state, name)
+    failed = []
+
+    def out_of_memory_once(*args):
+        if not failed:
+            failed.append(args)
+            raise torch.OutOfMemoryError(f"injected: no room for the staging area ({when})")
+        return real(*args)
+
+    monkeypatch.setattr(host_state, name, out_of_memory_once)
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    losses = train(model, optimizer, session, steps=STEPS)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert failed and stats["host_staging_fallbacks"] == 1 and stats["host_in_place_steps"] == 1
+    assert stats["host_staged_steps"] == len(optimizer.param_groups) * (STEPS - 1) - 1
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+@pytest.mark.parametrize("host_groups", [3, 6])
+def test_an_area_holds_memory_only_while_the_groups_on_the_host_step(monkeypatch, host_groups):
+    """Note [Staging areas]: the area gives its memory back at the first step with nothing on
+    the host (the groups on the device, which the backward steps after the last layers') and at
+    the block's end, and takes it again for the next iteration's first step that stages: the
+    same views, one allocation an iteration. With every group on the host, only the block's end
+    gives it back."""
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-host_groups:]
+    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
+    areas = session._host_state
+    areas.areas_on_cpu = True
+    made, taken = [], []
+    real_buffer, real_memory = host_state._area_buffer, host_state._area_memory
+    monkeypatch.setattr(host_state, "_area_buffer", lambda *a: made.append(a) or real_buffer(*a))
+    monkeypatch.setattr(host_state, "_area_memory", lambda *a: taken.append(a) or real_memory(*a))
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    seen = []  # (a host group's step?, whether the area held memory) at each group's step
+
+    def at_each_step(opt, *_):  # after the session's own pre-hook: what the step runs with
+        if opt.param_groups is not overlap._groups:  # a group's step in the backward
+            host = any(opt.param_groups[0] is group for group in on_host)
+            seen.append((host, [a.holds_memory for a in areas._areas.values()]))
+
+    hook = optimizer.register_step_pre_hook(at_each_step)
+    after_blocks = []
+    real_exit = type(session).__exit__
+
+    def exit_and_look(self, *exc):
+        real_exit(self, *exc)
+        after_blocks.append([a.holds_memory for a in areas._areas.values()])
+
+    monkeypatch.setattr(type(session), "__exit__", exit_and_look)
+    losses = train(model, optimizer, session, steps=STEPS)
+    hook.remove()
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["host_staged_steps"] == host_groups * (STEPS - 1)
+    staged = [held for host, held in seen if host and held]  # the first step makes the state
+    assert len(staged) == host_groups * (STEPS - 1) and all(held == [True] for held in staged)
+    device_steps = [held for host, held in seen if not host and held]
+    assert all(held == [False] for held in device_steps)
+    assert len(device_steps) == (6 - host_groups) * (STEPS - 1)
+    assert after_blocks[0] == [] and all(held == [False] for held in after_blocks[1:])
+    assert len(made) == 1 and len(taken) == STEPS - 2  # made once, taken again an iteration
+    assert all(is_on_host(m) for m in moments(optimizer, on_host))
+
+
+@pytest.mark.parametrize("areas", [False, True])
+def test_a_step_that_raises_in_an_area_loses_none_of_its_state(areas):
+    model, optimizer = make_model(groups=True)
+    want = train_through_a_failed_step(model, optimizer, None, fail_at=2)
+    expected = (want, list(model.parameters()), optimizer)
+    model, optimizer = make_model(groups=True)
+
+    def make_session(m, o):
+        session = session_for(m, o, limit=10**9, optimizer_state="host")
+        session._host_state.areas_on_cpu = areas
+        return session
+
+    losses = train_through_a_failed_step(model, optimizer, make_session, fail_at=2)
+    assert_same_training(losses, model, optimizer, expected)
+    assert all(is_on_host(m) for m in moments(optimizer))
+
+
+def test_the_block_end_gives_an_area_back_when_the_step_comes_after_it():
+    """A loop whose optimizer.step() is outside the session's block: the groups stepped in the
+    backward, inside it, and the block's end gives the area back (the next forward's room)."""
+    model, optimizer = make_model(groups=True)
+    session = session_for(model, optimizer, limit=10**9, optimizer_state="host")
+    state = session._host_state
+    state.areas_on_cpu = True
+    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    x = torch.randn(256, 128)
+    held = []  # (inside the block after the backward, after the block)
+    for _ in range(STEPS):
+        with session:
+            model(x).square().mean().backward()
+            inside = [a.holds_memory for a in state._areas.values()]
+        held.append((inside, [a.holds_memory for a in state._areas.values()]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    overlap.remove()
+    stats = session.stats()
+    session.close()
+    assert stats["host_staged_steps"] == len(optimizer.param_groups) * (STEPS - 1)
+    assert held[0] == ([], [])  # the first step makes the state: nothing staged
+    assert all(pair == ([True], [False]) for pair in held[1:]), held
+    assert all(is_on_host(m) for m in moments(optimizer))
