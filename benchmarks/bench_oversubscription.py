@@ -56,9 +56,16 @@ peak is at most the limit (1% slack). The others run once per (regime, ratio) un
 the limit, for the "no limit" overhead (step time over native's, or checkpointing's for
 lms-v2-ckpt); none by default.
 
-Each child reports the median step time of --steps steps after --warmup (a device synchronize
-around each step), tokens/s (batch x seq / step), its peak device memory, the loss of every step
-(warm-up included) and the bytes moved per step over the timed steps:
+Each child times --steps steps after --warmup twice: first synchronized (the device synchronized
+before and after each step, and for PyTorch's columns around the optimizer's step too, which
+times it), then as many again back to back (the device synchronized only before the first and
+after the last; a step's time from the previous one's float(loss) to its own: work a step leaves
+running overlaps the next, as in a training loop, where step_in_backward's group steps run into
+the next forward). --measure picks which one the step figures, the ideal and the targets use
+(default back-to-back: what a training run gets); the JSON keeps both (synchronized_step_s,
+back_to_back_step_s) and the report prints the other's process medians under each row. It reports
+the median step, tokens/s (batch x seq / step), its peak device memory over both, the loss of
+every step (warm-up included) and the bytes moved per step over the synchronized steps:
   lms-v2(-ckpt)      (pageout_bytes - clean_pageout_bytes + pagein_bytes + prefetch_bytes) /
                      steps, the delta of session.stats() over the timed steps (a clean page-out
                      copies nothing); also oom_retries' delta and the last stats() whole
@@ -105,7 +112,7 @@ its steady state) gets a warning that says so; raise --settle-steps or --warmup.
         [--columns native,lms-v2,lms-v2-ckpt,checkpointing,ckpt-save-on-cpu,lms-vmm,
         save-on-cpu,fsdp2-cpu-offload,lms-vmm-plain,lms-managed,managed-budget]
         [--no-limit-columns lms-v2,lms-v2-ckpt] [--steps 6] [--warmup 2] [--settle-steps 8]
-        [--seq 1024]
+        [--measure back-to-back|synchronized] [--seq 1024]
         [--activation-batch 8] [--state-batch 1] [--no-pin-parameters] [--size-lms-mib 1]
         [--overlap-state auto|host] [--placement-share F]
         [--bandwidth-gib 2] [--child-timeout 600] [--child-target-s 240] [--time-budget 1500]
@@ -208,7 +215,17 @@ PRIORITY = tuple(column for column in COLUMNS if column != NATIVE)
 MIN_CHILD_S = 90.0  # no child starts with less of the time budget left
 CHILD_RESERVE_S = 20.0  # a child's deadline leaves this much of its timeout for reporting
 # The options each child is handed as they are (its --flag for each).
-CHILD_FLAGS = ("steps", "warmup", "settle_steps", "seed", "seq", "activation_batch", "state_batch")
+CHILD_FLAGS = (
+    "steps",
+    "warmup",
+    "settle_steps",
+    "measure",
+    "seed",
+    "seq",
+    "activation_batch",
+    "state_batch",
+)
+MEASURES = ("back-to-back", "synchronized")
 
 
 # ----------------------------------------------------------------------------- parent process
@@ -236,6 +253,8 @@ def combine_processes(results: list[dict]) -> dict:
             for key in (
                 "step_median_s",
                 "step_s",
+                "synchronized_median_s",
+                "back_to_back_median_s",
                 "host_python_ms",
                 "peak_bytes",
                 "wall_s",
@@ -666,6 +685,14 @@ def main() -> int:
         help="lms-v2 columns: up to this many warm-up steps more, until the session has run "
         "two quiet steps in a row (a session that pages every step never does: it runs them "
         "all); 0: --warmup only",
+    )
+    parser.add_argument(
+        "--measure",
+        choices=MEASURES,
+        default=MEASURES[0],
+        help="the step time the figures and targets use: back-to-back (a training loop's: the "
+        "device synchronized only around the whole run of steps) or synchronized (around each "
+        "step); both are timed and kept",
     )
     parser.add_argument(
         "--processes",

@@ -79,6 +79,10 @@ TARGET_TEXT = {
     "losses": f"max |loss - native| <= {LOSS_TOLERANCE} (bf16 noise)",
 }
 ASSUMPTIONS = {
+    "step": "the median of a child's timed steps, as --measure picks them: back-to-back (the "
+    "default; the device synchronized only before the first step and after the last, each "
+    "step timed from the previous one's float(loss) to its own, as a training loop runs) or "
+    "synchronized (the device synchronized around each step); every column of a run the same",
     "ideal_step_s": "max(reference step, link time): the fastest unconstrained configuration "
     "that the column's technique allows, or the time to move what must move, whichever is longer",
     "reference": "the checkpointing column's run (its step time and its peak) for lms-v2-ckpt, "
@@ -217,6 +221,8 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
         "process_step_medians": run.get("process_step_medians"),
         "process_host_python_ms": run.get("process_host_python_ms")
         or ([slower_host_loop(run)] if run.get("host_python_ms") else None),
+        "measure": run.get("measure"),
+        "other_measure": other_measure(run),
     }
     if column in LMS_COLUMNS:
         row["counters"] = {
@@ -606,6 +612,28 @@ def slower_host_loop(result: dict) -> float:
     return max(result.get("host_python_ms") or [0.0])
 
 
+def other_measure(run: dict) -> dict | None:
+    """The measure --measure did not pick (bench_oversubscription's docstring), as each
+    process's median step: {"name", "process_medians"}, or None where a run has one only."""
+    measure = run.get("measure")
+    if measure not in ("back-to-back", "synchronized"):
+        return None  # a run from before the child timed both
+    name = "synchronized" if measure == "back-to-back" else "back-to-back"
+    key = "synchronized_median_s" if name == "synchronized" else "back_to_back_median_s"
+    processes = run.get("processes") or [run]
+    medians = sorted(p[key] for p in processes if p.get(key) is not None)
+    return {"name": name, "process_medians": medians} if medians else None
+
+
+def other_measure_line(row: dict) -> str:
+    """Under a row: the other measure's process medians, or "" where there is none."""
+    other = row.get("other_measure")
+    if not other:
+        return ""
+    steps = ", ".join(f"{step:.3f}" for step in other["process_medians"])
+    return cut(f"    {other['name']}: {steps} s")
+
+
 def host_line(row: dict) -> str:
     """Under a row: each process's step beside how fast its CPU ran Python (host_python_ms in
     _bench_common.py), or "" where no process timed it."""
@@ -682,8 +710,8 @@ def row_line(column: str, row: dict, group: dict) -> str:
         # A warning with no room left on the row's line goes whole on the lines under it.
         under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
         lines = cut(text) + "\n" + under
-    host = host_line(row)
-    return f"{lines}\n{host}" if host else lines
+    under = [line for line in (host_line(row), other_measure_line(row)) if line]
+    return "\n".join([lines, *under])
 
 
 def print_bandwidth(bandwidth: dict) -> None:
@@ -751,6 +779,9 @@ def print_report(data: dict) -> None:
     else:
         print("\n'no limit' overhead: no run (--no-limit-columns lms-v2,lms-v2-ckpt adds one)")
     print_targets(data)
+    runs = [run for run in data.get("runs", {}).values() if good(run)]
+    measures = sorted({run.get("measure") or "synchronized" for run in runs})
+    print(f"\nstep times: {', '.join(measures) or '-'} (--measure; the other one under each row)")
     # The table last.
     header = (
         f"{'column':<19}{'step s':>7}{'tokens/s':>10}{'vs ideal':>9}{'peak GiB':>10}{'fits':>6}"

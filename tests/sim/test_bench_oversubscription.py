@@ -106,6 +106,59 @@ def test_the_table_says_how_fast_each_processs_cpu_ran_python():
     assert len(row_line("lms-v2-overlap", earlier, {}).splitlines()) == 1
 
 
+def test_back_to_back_steps_synchronize_only_around_the_run_and_count_its_end(monkeypatch):
+    """--measure back-to-back: no device synchronization between steps; each step's time runs
+    from the previous one's end, and the last one's takes the final synchronization (the work
+    still queued) with it, so the times add up to the whole run."""
+    import time
+
+    import oversub_child
+
+    calls = []
+
+    def synchronize():  # the device finishing what the last step left queued
+        calls.append(len(losses))
+        if len(losses) == 3:
+            time.sleep(0.05)
+
+    losses = []
+
+    def step():
+        losses.append(len(losses))
+        time.sleep(0.01)
+        return float(losses[-1]), None
+
+    monkeypatch.setattr(oversub_child.torch.cuda, "synchronize", synchronize)
+    started = time.perf_counter()
+    times, seen = oversub_child.back_to_back_steps(step, 3)
+    whole = time.perf_counter() - started
+    assert calls == [0, 3]  # before the first step and after the last, not between
+    assert seen == [0.0, 1.0, 2.0]
+    assert len(times) == 3 and all(t >= 0.01 for t in times)
+    assert times[-1] >= 0.06  # the final synchronization is the last step's
+    assert sum(times) == pytest.approx(whole, abs=0.005)
+
+
+def test_the_table_gives_the_other_measure_under_each_row():
+    results = [child_result(s, 8.0, str(s)) for s in (0.19, 0.25, 0.2)]
+    for result, synchronized in zip(results, (0.23, 0.31, 0.22), strict=True):
+        result.update(
+            measure="back-to-back",
+            synchronized_median_s=synchronized,
+            back_to_back_median_s=result["step_median_s"],
+        )
+    combined = bench.combine_processes(results)
+    native = {"step_median_s": 0.1, "tokens_per_step": 8192, "losses": [1.0]}
+    row = make_row(combined, "lms-v2-overlap", 9 * GiB, None, native)
+    assert row["step_median_s"] == 0.2 and row["measure"] == "back-to-back"
+    lines = row_line("lms-v2-overlap", row, {}).splitlines()
+    assert lines[-1] == "    synchronized: 0.220, 0.230, 0.310 s"
+    alone = make_row(results[0], "lms-v2-overlap", 9 * GiB, None, native)
+    assert row_line("lms-v2-overlap", alone, {}).splitlines()[-1] == "    synchronized: 0.230 s"
+    earlier = make_row(child_result(0.2, 8.0, "old"), "lms-v2-overlap", 9 * GiB, None, native)
+    assert row_line("lms-v2-overlap", earlier, {}).splitlines()[-1].startswith("    step / host")
+
+
 def test_the_host_loop_is_the_same_work_and_its_best_run_is_kept(monkeypatch):
     import _bench_common
 
@@ -141,7 +194,8 @@ def test_placement_share_and_settle_steps_reach_the_child(monkeypatch):
 
     monkeypatch.setattr(bench, "run_marked_child", fake_child)
     monkeypatch.setattr(bench, "child_env", dict)
-    options = dict(steps=2, warmup=1, settle_steps=5, seed=0, seq=8, activation_batch=1,
+    options = dict(steps=2, warmup=1, settle_steps=5, measure="synchronized", seed=0, seq=8,
+                   activation_batch=1,
                    state_batch=1,
                    bandwidth_gib=1.0, pin_parameters=True, size_lms_mib=1.0,
                    overlap_state="auto", time_budget=600, child_timeout=60,
@@ -153,6 +207,7 @@ def test_placement_share_and_settle_steps_reach_the_child(monkeypatch):
         assert tail == expected
         flag = commands[-1].index("--settle-steps")
         assert commands[-1][flag + 1] == "5"
+        assert commands[-1][commands[-1].index("--measure") + 1] == "synchronized"
 
 
 class FakeSession:
