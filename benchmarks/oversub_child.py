@@ -919,7 +919,8 @@ def train(column: str, args, result: dict) -> None:
     peak_steady = read_peaks(tus)
     measure = args.measure if back_to_back else "synchronized"
     if measure != args.measure:
-        result["warning"] = "no time for the back-to-back steps: synchronized steps reported"
+        warning = "no time for the back-to-back steps: synchronized steps reported"
+        result["warning"] = "; ".join(filter(None, (result.get("warning"), warning)))
     chosen = back_to_back if measure == "back-to-back" else times
     step_median = statistics.median(chosen)
     tokens = spec["batch"] * spec["seq"]

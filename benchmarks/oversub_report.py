@@ -710,8 +710,8 @@ def row_line(column: str, row: dict, group: dict) -> str:
         # A warning with no room left on the row's line goes whole on the lines under it.
         under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
         lines = cut(text) + "\n" + under
-    under = [line for line in (host_line(row), other_measure_line(row)) if line]
-    return "\n".join([lines, *under])
+    below = [line for line in (host_line(row), other_measure_line(row)) if line]
+    return "\n".join([lines, *below])
 
 
 def print_bandwidth(bandwidth: dict) -> None:
@@ -782,6 +782,11 @@ def print_report(data: dict) -> None:
     runs = [run for run in data.get("runs", {}).values() if good(run)]
     measures = sorted({run.get("measure") or "synchronized" for run in runs})
     print(f"\nstep times: {', '.join(measures) or '-'} (--measure; the other one under each row)")
+    if len(measures) > 1:  # --merge of runs from before and after --measure, or of both
+        say(
+            "the runs in this JSON were timed by different measures: compare a row with its "
+            "ideal only where both were timed alike (each row's other measure is under it)"
+        )
     # The table last.
     header = (
         f"{'column':<19}{'step s':>7}{'tokens/s':>10}{'vs ideal':>9}{'peak GiB':>10}{'fits':>6}"

@@ -30,17 +30,24 @@ def assert_same_training(losses, model, optimizer, expected):
         assert torch.equal(ours, reference_moment)
 
 
-def test_each_group_s_step_stages_its_state_and_training_is_the_same():
-    expected = reference()
-    model, optimizer = make_model(groups=True)
-    on_host = optimizer.param_groups[-3:]
-    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
-    # One group a step, as on the GPU; the user's own step then has no gradient left to step.
+def stepped_in_the_backward(model, optimizer, session):
+    """Trains STEPS steps in `session` with each group stepping in the backward (one group a
+    step, as on the GPU); the losses and the session's stats, the session closed."""
     overlap = tus.step_in_backward(optimizer, free_gradients=True)
     losses = train(model, optimizer, session, steps=STEPS)
     overlap.remove()
     stats = session.stats()
     session.close()
+    return losses, stats
+
+
+def test_each_group_s_step_stages_its_state_and_training_is_the_same():
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    session = session_for(model, optimizer, limit=10**9, optimizer_state=on_host)
+    # The user's own step then has no gradient left to step.
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
     assert_same_training(losses, model, optimizer, expected)
     placed = moments(optimizer, on_host)
     assert placed and all(is_on_host(m) for m in placed)
@@ -231,11 +238,7 @@ def test_steps_on_a_side_stream_stage_in_an_area_made_once_and_train_the_same(mo
     made = []
     real = host_state._area_buffer
     monkeypatch.setattr(host_state, "_area_buffer", lambda n, d: made.append(n) or real(n, d))
-    overlap = tus.step_in_backward(optimizer, free_gradients=True)
-    losses = train(model, optimizer, session, steps=STEPS)
-    overlap.remove()
-    stats = session.stats()
-    session.close()
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
     assert_same_training(losses, model, optimizer, expected)
     groups = len(optimizer.param_groups)
     assert stats["host_staged_steps"] == groups * (STEPS - 1)
@@ -269,11 +272,7 @@ def test_no_room_for_an_area_reads_the_state_in_place_and_loses_nothing(monkeypa
         return real(*args)
 
     monkeypatch.setattr(host_state, name, out_of_memory_once)
-    overlap = tus.step_in_backward(optimizer, free_gradients=True)
-    losses = train(model, optimizer, session, steps=STEPS)
-    overlap.remove()
-    stats = session.stats()
-    session.close()
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
     assert_same_training(losses, model, optimizer, expected)
     assert failed and stats["host_staging_fallbacks"] == 1 and stats["host_in_place_steps"] == 1
     assert stats["host_staged_steps"] == len(optimizer.param_groups) * (STEPS - 1) - 1
@@ -297,11 +296,11 @@ def test_an_area_holds_memory_only_while_the_groups_on_the_host_step(monkeypatch
     real_buffer, real_memory = host_state._area_buffer, host_state._area_memory
     monkeypatch.setattr(host_state, "_area_buffer", lambda *a: made.append(a) or real_buffer(*a))
     monkeypatch.setattr(host_state, "_area_memory", lambda *a: taken.append(a) or real_memory(*a))
-    overlap = tus.step_in_backward(optimizer, free_gradients=True)
+    all_groups = optimizer.param_groups  # step_in_backward narrows it to one group a step
     seen = []  # (a host group's step?, whether the area held memory) at each group's step
 
     def at_each_step(opt, *_):  # after the session's own pre-hook: what the step runs with
-        if opt.param_groups is not overlap._groups:  # a group's step in the backward
+        if opt.param_groups is not all_groups:  # a group's step in the backward
             host = any(opt.param_groups[0] is group for group in on_host)
             seen.append((host, [a.holds_memory for a in areas._areas.values()]))
 
@@ -314,11 +313,8 @@ def test_an_area_holds_memory_only_while_the_groups_on_the_host_step(monkeypatch
         after_blocks.append([a.holds_memory for a in areas._areas.values()])
 
     monkeypatch.setattr(type(session), "__exit__", exit_and_look)
-    losses = train(model, optimizer, session, steps=STEPS)
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
     hook.remove()
-    overlap.remove()
-    stats = session.stats()
-    session.close()
     assert_same_training(losses, model, optimizer, expected)
     assert stats["host_staged_steps"] == host_groups * (STEPS - 1)
     staged = [held for host, held in seen if host and held]  # the first step makes the state
