@@ -123,17 +123,21 @@ class _Area:
     areas]), and the views of it that each layout of staged tensors got. Given back, its storage
     holds no memory; the buffer and the views stay, for the next step."""
 
-    __slots__ = ("buffer", "capacity", "pointer", "views")
+    __slots__ = ("buffer", "capacity", "views")
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.capacity = buffer.nbytes  # what the storage holds while it holds memory
-        self.pointer = buffer.untyped_storage().data_ptr()
         self.views: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     @property
     def holds_memory(self) -> bool:
         return self.buffer.untyped_storage().nbytes() > 0
+
+    @property
+    def pointer(self) -> int:
+        """Where its memory lies now: taken again, it may lie elsewhere."""
+        return self.buffer.untyped_storage().data_ptr()
 
 
 class _Placed:
@@ -408,7 +412,6 @@ class HostState:
         else:
             with self._from_compute_pool(stream):
                 _area_memory(area.buffer, area.capacity)
-        area.pointer = area.buffer.untyped_storage().data_ptr()
 
     def _from_compute_pool(self, stream: torch.cuda.Stream) -> Any:
         """Allocations in it come from the compute stream's pool, for `stream` to use: `stream`
