@@ -272,6 +272,46 @@ class HostState:
         self._placed[key] = placed
         self.placed_bytes += placed.host.nbytes
 
+    def held_bytes(self, parameter: torch.Tensor, state: dict[str, Any]) -> int:
+        """The bytes of ``parameter``'s state that this keeps on the host."""
+        total = 0
+        for key, value in state.items():
+            placed = self._placed.get((id(parameter), key))
+            if placed is not None and value is placed.view:
+                total += placed.host.nbytes
+        return total
+
+    def bring_back(self, pairs: list[tuple[torch.Tensor, dict[str, Any]]]) -> int:
+        """The state of each (parameter, state) that is on the host, copied back into device
+        memory and put in the optimizer's place (Note [State coming back] in lms_session.py):
+        all of it, or none where the device copies do not fit. The bytes brought back."""
+        found = [
+            (parameter, state, key, placed)
+            for parameter, state in pairs
+            for key, value in state.items()
+            if (placed := self._placed.get((id(parameter), key))) is not None
+            and value is placed.view
+        ]
+        if not found:
+            return 0
+        try:
+            copies = [torch.empty_like(placed.view) for _, _, _, placed in found]
+        except torch.OutOfMemoryError:
+            return 0
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            events = {id(p.out_event): p.out_event for *_, p in found if p.out_event}
+            for event in events.values():
+                stream.wait_event(event)  # the host bytes are those of the last copy out
+        torch._foreach_copy_(copies, [placed.host for *_, placed in found], non_blocking=True)
+        brought = 0
+        for copy, (parameter, state, key, placed) in zip(copies, found):
+            state[key] = copy
+            del self._placed[(id(parameter), key)]
+            self.placed_bytes -= placed.host.nbytes
+            brought += placed.host.nbytes
+        return brought
+
     def stage_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a step: the state it reads is staged on the device, or read in place."""
         self.flush()

@@ -42,6 +42,24 @@ Note [What the session relocates]
     library. Those need the same address after paging: use the VMM-based LMS
     (``set_enabled_lms``) or keep them out of the session.
 
+Note [State coming back]
+    suggest_placement names the host groups from the limit alone: it cannot see the
+    activations. Where they are small (GPT-2 XL at batch 1 under checkpointing), the groups it
+    sends to the host leave the device room to spare, and staging their state both ways each
+    step is then what the step waits for: on H200s, XL at 2x with 9.16 GiB of its state on
+    the host peaked at 12.0 GiB under a quiet line of 15.6, and ran faster with 6 GiB there.
+    So at the end of an iteration that paged nothing (watched, replayed or quiet), the room
+    between the quiet line and PyTorch's most-held (``max_memory_allocated``: never less than
+    this iteration's peak) takes the host groups' state back, a group at a time from the first
+    (the last of them to step in the backward), as long as each fits; the walk then manages it
+    with the rest of the device's state. The next iterations peak that much higher, still under
+    the quiet line, and the next decision sees that. An iteration that pages or fails brings
+    nothing back, and neither does one after a peak above the quiet line, until
+    ``torch.cuda.reset_peak_memory_stats()`` forgets it. ``optimizer_state`` keeps saying what
+    was asked for. On with ``state_returns=True``, which suggest_placement returns and
+    optimizer_state="auto" implies; a placement given by hand stays as given. ``stats()``:
+    host_returned_groups and host_returned_bytes.
+
 Note [Quiet iterations]
     Watching every operator costs host time (a dispatch mode and saved-tensor hooks, some tens
     of microseconds an operator), which a step that fits under the limit should not pay. So
@@ -305,7 +323,10 @@ def lms_session(
     parameters runs its forward: False (never), True (every iteration), "events" (in the
     iterations watched by events, not in the one recorded for them: with watch="modules" only)
     or "auto" (default: "events" with watch="modules", False otherwise); Note [Autocast's cast
-    cache] in autocast_cache.py says what it frees, what it saves and why that is the default.
+    cache] in autocast_cache.py says what it frees, what it saves and why that is the default;
+    ``state_returns``, whether the host groups' state comes back to the device while the
+    iterations leave room for it under the limit (Note [State coming back]; default False, True
+    with optimizer_state="auto", and ``suggest_placement`` returns it True).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
@@ -453,6 +474,7 @@ class LmsSession:
         optimizer_state: str | list[dict[str, Any]] = "device",
         watch: str = "operators",
         clear_autocast_cache: bool | str = "auto",
+        state_returns: bool | None = None,
     ) -> None:
         # Types and ranges through the bindings' checks (Note [Argument errors]); the relations
         # between the numbers here.
@@ -465,6 +487,8 @@ class LmsSession:
                 "lms_session", "prefetch_depth", prefetch_depth, "operators"
             )
         quiet = _C.check_flag("lms_session", "quiet", quiet)
+        if state_returns is not None:
+            state_returns = _C.check_flag("lms_session", "state_returns", state_returns)
         expandable_segments = _C.check_flag(
             "lms_session", "expandable_segments", expandable_segments
         )
@@ -512,7 +536,10 @@ class LmsSession:
         self._optimizers = list(optimizers)
         modules = list(modules)
         if isinstance(optimizer_state, str) and optimizer_state == "auto":
-            optimizer_state = suggest_placement(modules, self._optimizers, limit)["optimizer_state"]
+            suggested = suggest_placement(modules, self._optimizers, limit)
+            optimizer_state = suggested["optimizer_state"]
+            if state_returns is None:
+                state_returns = suggested.get("state_returns", False)
         self.optimizer_state = optimizer_state
         self._host_parameters = {
             id(p) for group in self._host_groups_of(optimizer_state) for p in group["params"]
@@ -528,6 +555,11 @@ class LmsSession:
         self._moves_at_enter = 0
         self._peak_at_enter = 0
         self._quiet_iterations = 0
+        # Note [State coming back]: on (a placement given by hand stays as given), and what
+        # came back.
+        self.state_returns = bool(state_returns)
+        self._returned_groups = 0
+        self._returned_bytes = 0
         self._host_state = HostState(self.device, self.limit // STAGING_DIVISOR)
         self._context: list[Any] = []
         self._handles: list[Any] = []
@@ -663,6 +695,8 @@ class LmsSession:
             peak = self._allocator_peak()
             if failed or (peak > self._peak_at_enter and peak > self._quiet_line):
                 self._quiet = False
+            else:
+                self._return_state(peak)
             if failed and self._events is not None:
                 self._events.record_next()  # as after any iteration that failed
             self._sweep()
@@ -675,6 +709,8 @@ class LmsSession:
             context.__exit__(*exc_info)
         self._context = []
         self._sweep()
+        if not failed and self._moves() == self._moves_at_enter:
+            self._return_state(self._allocator_peak())
         for optimizer in self._optimizers:
             self._adopt_optimizer_state(optimizer)
         self._planner.end_iteration()
@@ -690,6 +726,33 @@ class LmsSession:
             and not self._out
             and self._moves() == self._moves_at_enter
         )
+
+    def _return_state(self, peak: int) -> None:
+        """Note [State coming back]: the host groups' state comes back to the device, a group at
+        a time from the first, while it fits between `peak` and the quiet line."""
+        if not self.state_returns or not self._host_state.placed_bytes or peak <= 0:
+            return  # (no peak: a device without the counter, where nothing says there is room)
+        room = self._quiet_line - peak
+        with self._own_operators():
+            self._bring_groups_back(room)
+
+    def _bring_groups_back(self, room: int) -> None:
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                parameters = [p for p in group["params"] if id(p) in self._host_parameters]
+                pairs = [(p, optimizer.state[p]) for p in parameters if p in optimizer.state]
+                held = sum(self._host_state.held_bytes(p, state) for p, state in pairs)
+                if held == 0:
+                    continue
+                if held > room:
+                    return
+                brought = self._host_state.bring_back(pairs)
+                if brought == 0:
+                    return  # no room for the device copies after all
+                self._host_parameters.difference_update(id(p) for p in parameters)
+                room -= brought
+                self._returned_groups += 1
+                self._returned_bytes += brought
 
     def _explain_unwatched_oom(self, error: torch.OutOfMemoryError) -> None:
         """PyTorch's out-of-memory error from an iteration that ran its operators unwatched
@@ -793,6 +856,8 @@ class LmsSession:
         out["limit_bytes"] = self.limit
         out["quiet_iterations"] = self._quiet_iterations
         out.update(self._host_state.stats())
+        out["host_returned_groups"] = self._returned_groups
+        out["host_returned_bytes"] = self._returned_bytes
         events = self._events
         out["event_iterations"] = events.iterations_acted if events is not None else 0
         out["event_recordings"] = events.recordings if events is not None else 0
@@ -1681,8 +1746,10 @@ def suggest_placement(
     gradients_freed: bool = False,
     persistent_share: float | None = None,
 ) -> dict[str, Any]:
-    """Where an LMS session should keep the optimizers' state: {"optimizer_state": "device",
-    "host" or a list of parameter groups whose state goes to the host}. The parameters, their
+    """Where an LMS session should keep the optimizers' state, as its keywords:
+    {"optimizer_state": "device"}, or {"optimizer_state": "host" or a list of parameter groups
+    whose state goes to the host, "state_returns": True} (the session takes back to the device
+    what the iterations leave room for: Note [State coming back]). The parameters, their
     gradients (not counted with ``gradients_freed=True``: ``step_in_backward(optimizer,
     free_gradients=True)`` drops each group's as soon as it has stepped) and the state left on
     the device should take at most half the limit, or 3/4 of it with a quarter of the state left
@@ -1728,9 +1795,11 @@ def suggest_placement(
             break
         on_host.append(group)
         state_bytes -= held
+    # What it sends to the host was counted from the limit alone: the session takes back what
+    # the iterations leave room for (Note [State coming back]).
     if len(on_host) == len(groups):
-        return {"optimizer_state": "host"}
-    return {"optimizer_state": on_host[::-1]}
+        return {"optimizer_state": "host", "state_returns": True}
+    return {"optimizer_state": on_host[::-1], "state_returns": True}
 
 
 def _check_share(call: str, name: str, value: object) -> None:

@@ -373,6 +373,54 @@ def a_checkpoint_loaded_mid_session_lands_in_its_placement_under_the_limit() -> 
     assert seen["peak"] <= limit, f"peak {seen['peak']} over the limit {limit}"
 
 
+@scenario
+def host_state_comes_back_where_the_iterations_leave_room() -> None:
+    # Note [State coming back]: with state_returns=True, an iteration that paged nothing and
+    # peaked below the quiet line takes the host groups' state back to the device, the first
+    # host group first, while it fits; the training is the same, bit for bit, under the limit.
+    import torch
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.host_state import is_on_host
+
+    steps = 6
+    expected = reference(checkpoint=True, steps=steps)
+    # Parameters and gradients (384 MiB), the checkpointed inputs (384 MiB), the device groups'
+    # state, cuBLAS's workspaces: about 1 GiB, under a quiet line of 1.125 GiB.
+    limit = 1200 * MiB
+    torch.cuda.empty_cache()
+    model, optimizer = make_model()
+    host_groups = optimizer.param_groups[2:]  # 320 MiB of moments
+    torch.cuda.reset_peak_memory_stats()
+    session = tus.lms_session(
+        limit, [model], [optimizer], optimizer_state=host_groups, state_returns=True
+    )
+    losses = train(model, optimizer, session, steps=steps, checkpoint=True)
+    peak = torch.cuda.max_memory_reserved()
+    stats = session.stats()
+    session.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    print(f"peak {peak / MiB:.0f} MiB under {limit / MiB:.0f} MiB; {stats}")
+    check_same_training(expected, (losses, params))
+
+    def big_moments(group) -> list:  # the biases' are under min_bytes: never placed
+        return [
+            v
+            for p in group["params"]
+            for k, v in optimizer.state[p].items()
+            if k != "step" and v.nbytes >= MiB
+        ]
+
+    back = stats["host_returned_groups"]
+    assert back >= 1, f"no host group came back: {stats}"
+    assert stats["host_returned_bytes"] == sum(
+        m.nbytes for g in host_groups[:back] for m in big_moments(g)
+    )
+    assert not any(is_on_host(m) for g in host_groups[:back] for m in big_moments(g))
+    assert all(is_on_host(m) for g in host_groups[back:] for m in big_moments(g))
+    assert peak <= limit, f"peak {peak} over the limit {limit}"
+
+
 def managed_by(model, optimizer) -> list:
     """The parameters and optimizer state a session manages by default (1 MiB and more)."""
     import torch

@@ -94,6 +94,7 @@ ROWS: list[Row] = [
     Row("a flag", "tus.region('r', enable_cpu_backup='yes')", TypeError, "region(enable_cpu_backup): expected True or False"),
     Row("a flag", "tus.region('r', mode='managed', read_mostly='yes')", TypeError, "region(read_mostly): expected True or False"),
     Row("a flag", "tus.lms_session(2**30, quiet='no')", TypeError, "lms_session(quiet): expected True or False"),
+    Row("a flag", "tus.lms_session(2**30, state_returns='yes')", TypeError, "lms_session(state_returns): expected True or False"),
     Row("a flag or events", "tus.lms_session(2**30, clear_autocast_cache=None)", TypeError, 'lms_session(clear_autocast_cache): expected True, False, "events" or "auto", got None'),
     Row("a flag or events", "tus.lms_session(2**30, clear_autocast_cache='modules')", TypeError, "lms_session(clear_autocast_cache): expected True, False, \"events\" or \"auto\", got 'modules'"),
     Row("events to go by", "tus.lms_session(2**30, clear_autocast_cache='events')", InvalidArgumentError, 'lms_session: clear_autocast_cache="events" empties the cache in the iterations watched by events, which needs watch="modules"; got watch=\'operators\''),

@@ -4,6 +4,7 @@ same model with and without a session and asserts what a user sees: the same los
 parameters, the state where the session says it is, and the stats that say what each step did."""
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -368,3 +369,77 @@ def test_the_block_end_gives_an_area_back_when_the_step_comes_after_it():
     assert held[0] == ([], [])  # the first step makes the state: nothing staged
     assert all(pair == ([True], [False]) for pair in held[1:]), held
     assert all(is_on_host(m) for m in moments(optimizer))
+
+
+@pytest.mark.parametrize("watch", ["modules", "operators"])
+@pytest.mark.parametrize("room_groups", [0, 1, 3])
+def test_state_comes_back_while_an_iteration_that_paged_nothing_leaves_room(
+    monkeypatch, room_groups, watch
+):
+    """Note [State coming back]: after an iteration that paged nothing, the host groups' state
+    comes back to the device a group at a time while it fits under the quiet line (PyTorch's
+    most-held, faked here: the CPU has no counter), and the training is the same."""
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    session = session_for(
+        model,
+        optimizer,
+        budget=10**8,
+        limit=10**9,
+        optimizer_state=on_host,
+        watch=watch,
+        state_returns=True,
+    )
+    group_bytes = 2 * sum(p.nbytes for p in on_host[0]["params"] if p.nbytes >= SMALL)
+    room = room_groups * group_bytes + group_bytes // 2
+    # What PyTorch held at most: all but `room` under the quiet line, and what came back on top.
+    monkeypatch.setattr(
+        session, "_allocator_peak", lambda: session._quiet_line - room + session._returned_bytes
+    )
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["host_returned_groups"] == room_groups
+    assert stats["host_returned_bytes"] == room_groups * group_bytes
+    back = on_host[:room_groups]  # from the first host group on
+    assert not any(is_on_host(m) for m in moments(optimizer, back))
+    kept = moments(optimizer, on_host[room_groups:])
+    assert all(is_on_host(m) for m in kept)
+    assert stats["host_placed_bytes"] == (3 - room_groups) * group_bytes
+
+
+@pytest.mark.parametrize(
+    "why", ["placed by hand", "turned off", "no room for the copies", "every iteration pages"]
+)
+def test_state_stays_on_the_host_when_it_cannot_come_back(monkeypatch, why):
+    moves = itertools.count()  # each look at the paging counters finds one more
+    expected = reference()
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    options = {} if why == "placed by hand" else {"state_returns": why != "turned off"}
+    session = session_for(
+        model,
+        optimizer,
+        budget=10**8,
+        limit=10**9,
+        optimizer_state=on_host,
+        watch="modules",
+        **options,
+    )
+    assert session.state_returns is (why not in ("placed by hand", "turned off"))
+    monkeypatch.setattr(session, "_allocator_peak", lambda: session._quiet_line // 2)
+    if why == "every iteration pages":
+        monkeypatch.setattr(session, "_moves", lambda: next(moves))
+    elif why == "no room for the copies":
+        real = torch.empty_like
+
+        def no_room(t, *args, **kwargs):
+            if is_on_host(t):
+                raise torch.OutOfMemoryError("injected: no room for the state coming back")
+            return real(t, *args, **kwargs)
+
+        monkeypatch.setattr(host_state.torch, "empty_like", no_room)
+    losses, stats = stepped_in_the_backward(model, optimizer, session)
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["host_returned_groups"] == 0 and stats["host_returned_bytes"] == 0
+    assert all(is_on_host(m) for m in moments(optimizer, on_host))

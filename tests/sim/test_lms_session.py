@@ -430,6 +430,9 @@ def test_suggest_placement_sends_the_last_groups_state_to_the_host_until_the_res
     assert placement(6 * parameters) == [3, 4, 5]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state at all
     assert tus.suggest_placement([model], [sgd], 1) == {"optimizer_state": "device"}
+    # Counted from the limit alone: the session may take back what the iterations leave room for.
+    suggested = tus.suggest_placement([model], [optimizer], 6 * parameters)
+    assert suggested["state_returns"] is True
 
 
 def test_an_unknown_placement_is_refused():
@@ -535,7 +538,13 @@ def test_auto_placement_follows_suggest_placement():
             limit, [model], [optimizer], device="cpu", min_bytes=SMALL, optimizer_state="auto"
         )
         assert session.optimizer_state == where
+        assert session.state_returns is (where == "host")  # nothing to return from "device"
         session.close()
+    by_hand = tus.lms_session(
+        2 * state - 1, [model], [optimizer], device="cpu", optimizer_state="host"
+    )
+    assert by_hand.state_returns is False  # a placement given by hand stays as given
+    by_hand.close()
 
 
 def test_the_state_of_the_named_parameter_groups_goes_to_the_host_and_the_rest_stays():
