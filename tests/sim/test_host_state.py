@@ -371,6 +371,13 @@ def test_the_block_end_gives_an_area_back_when_the_step_comes_after_it():
     assert all(is_on_host(m) for m in moments(optimizer))
 
 
+def returning_session(model, optimizer, on_host, **options):
+    """A session with `on_host`'s state on the host and room for all of it under the limit."""
+    return session_for(
+        model, optimizer, budget=10**8, limit=10**9, optimizer_state=on_host, **options
+    )
+
+
 @pytest.mark.parametrize("watch", ["modules", "operators"])
 @pytest.mark.parametrize("room_groups", [0, 1, 3])
 def test_state_comes_back_while_an_iteration_that_paged_nothing_leaves_room(
@@ -382,15 +389,7 @@ def test_state_comes_back_while_an_iteration_that_paged_nothing_leaves_room(
     expected = reference()
     model, optimizer = make_model(groups=True)
     on_host = optimizer.param_groups[-3:]
-    session = session_for(
-        model,
-        optimizer,
-        budget=10**8,
-        limit=10**9,
-        optimizer_state=on_host,
-        watch=watch,
-        state_returns=True,
-    )
+    session = returning_session(model, optimizer, on_host, watch=watch, state_returns=True)
     group_bytes = 2 * sum(p.nbytes for p in on_host[0]["params"] if p.nbytes >= SMALL)
     room = room_groups * group_bytes + group_bytes // 2
     # What PyTorch held at most: all but `room` under the quiet line, and what came back on top.
@@ -417,15 +416,7 @@ def test_state_stays_on_the_host_when_it_cannot_come_back(monkeypatch, why):
     model, optimizer = make_model(groups=True)
     on_host = optimizer.param_groups[-3:]
     options = {} if why == "placed by hand" else {"state_returns": why != "turned off"}
-    session = session_for(
-        model,
-        optimizer,
-        budget=10**8,
-        limit=10**9,
-        optimizer_state=on_host,
-        watch="modules",
-        **options,
-    )
+    session = returning_session(model, optimizer, on_host, watch="modules", **options)
     assert session.state_returns is (why not in ("placed by hand", "turned off"))
     monkeypatch.setattr(session, "_allocator_peak", lambda: session._quiet_line // 2)
     if why == "every iteration pages":
