@@ -1722,7 +1722,7 @@ PLACEMENTS = ("device", "host")
 # state kept on the device may take of the limit together; the rest of the limit is for
 # activations and paging. A quarter of the state stays on the device all the same where that
 # fits under MOST_PERSISTENT_SHARE of the limit. With the state read in place over the link,
-# 3/4 alone was best on an H100 (README, "LMS v2"). Staged through the device (Note [Staging
+# 3/4 alone was best on an H100 (docs/lms_v2_history.md). Staged through the device (Note [Staging
 # the state on the host]) the state on the host costs the step less and the room it leaves
 # counts more, up to a point. GPT-2 XL under step_in_backward(free_gradients=True), the last
 # 9.16 GiB of its 11.61 GiB of AdamW state on the host: at 2x (where 3/4 alone put 5.04 GiB

@@ -648,7 +648,7 @@ def step_in_backward_trains_bit_for_bit_alone_and_under_the_session() -> None:
     expected = reference(checkpoint=True)
     # Two thirds of the peak, not half: a group's step runs while the backward holds its own
     # buffers, so stepping in the backward needs more room than stepping after it (at half the
-    # peak it ran out of memory in the first backward on an H100; README, "LMS v2").
+    # peak it ran out of memory in the first backward on an H100; docs/lms_v2_history.md).
     for limit in (None, expected[2] * 2 // 3):
         torch.cuda.empty_cache()
         model, optimizer = make_model()
