@@ -408,7 +408,14 @@ def test_state_comes_back_while_an_iteration_that_paged_nothing_leaves_room(
 
 
 @pytest.mark.parametrize(
-    "why", ["placed by hand", "turned off", "no room for the copies", "every iteration pages"]
+    "why",
+    [
+        "placed by hand",
+        "turned off",
+        "no room for the copies",
+        "every iteration pages",
+        "a peak above the quiet line",
+    ],
 )
 def test_state_stays_on_the_host_when_it_cannot_come_back(monkeypatch, why):
     moves = itertools.count()  # each look at the paging counters finds one more
@@ -418,7 +425,8 @@ def test_state_stays_on_the_host_when_it_cannot_come_back(monkeypatch, why):
     options = {} if why == "placed by hand" else {"state_returns": why != "turned off"}
     session = returning_session(model, optimizer, on_host, watch="modules", **options)
     assert session.state_returns is (why not in ("placed by hand", "turned off"))
-    monkeypatch.setattr(session, "_allocator_peak", lambda: session._quiet_line // 2)
+    peak = session._quiet_line + (1 if why == "a peak above the quiet line" else -(10**8))
+    monkeypatch.setattr(session, "_allocator_peak", lambda: peak)
     if why == "every iteration pages":
         monkeypatch.setattr(session, "_moves", lambda: next(moves))
     elif why == "no room for the copies":
