@@ -242,6 +242,7 @@ def make_row(run: dict | None, column: str, limit: int, ideal: dict | None, nati
     if column in V2_COLUMNS:
         row["oom_retries"] = run.get("oom_retries_delta")
         row["session_counters"] = run.get("session_counters_delta")
+        row["placement"] = placement_summary(run)
     warnings = [run["warning"]] if run.get("warning") else []
     ran_limit = run.get("limit_bytes")
     if column in LIMITED and ran_limit and abs(ran_limit - limit) > 0.01 * limit:
@@ -634,6 +635,28 @@ def other_measure_line(row: dict) -> str:
     return cut(f"    {other['name']}: {steps} s")
 
 
+def placement_summary(run: dict) -> str | None:
+    """Where the optimizer state was asked to live, and what came back to the device (Note
+    [State coming back] in lms_session.py), or None where the child named no placement."""
+    where = run.get("placement")
+    if not where:
+        return None
+    stats = run.get("session_stats") or {}
+    back = stats.get("host_returned_groups")
+    if not back:
+        return where
+    return (
+        f"{where}; {back} back on the device ({gb(stats['host_returned_bytes'])} GB), "
+        f"{gb(stats.get('host_placed_bytes', 0))} GB left on the host"
+    )
+
+
+def placement_line(row: dict) -> str:
+    """Under a row: placement_summary's text, or "" where there is none."""
+    placement = row.get("placement")
+    return cut(f"    optimizer state: {placement}") if placement else ""
+
+
 def host_line(row: dict) -> str:
     """Under a row: each process's step beside how fast its CPU ran Python (host_python_ms in
     _bench_common.py), or "" where no process timed it."""
@@ -710,7 +733,9 @@ def row_line(column: str, row: dict, group: dict) -> str:
         # A warning with no room left on the row's line goes whole on the lines under it.
         under = textwrap.fill(warning, WIDTH, initial_indent=" " * 4, subsequent_indent=" " * 8)
         lines = cut(text) + "\n" + under
-    below = [line for line in (host_line(row), other_measure_line(row)) if line]
+    below = [
+        line for line in (host_line(row), other_measure_line(row), placement_line(row)) if line
+    ]
     return "\n".join([lines, *below])
 
 

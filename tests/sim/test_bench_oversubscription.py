@@ -159,6 +159,30 @@ def test_the_table_gives_the_other_measure_under_each_row():
     assert row_line("lms-v2-overlap", earlier, {}).splitlines()[-1].startswith("    step / host")
 
 
+def test_the_table_says_where_the_state_lived_and_what_came_back():
+    native = {"step_median_s": 0.1, "tokens_per_step": 8192, "losses": [1.0]}
+    result = child_result(0.3, 16.6, "xl")
+    result["placement"] = "host for the last 20 of 25 parameter groups"
+    result["session_stats"] = {
+        "host_returned_groups": 7,
+        "host_returned_bytes": 3_440_640_000,
+        "host_placed_bytes": 6_389_760_000,
+    }
+    row = make_row(result, "lms-v2-overlap", 17 * GiB, None, native)
+    assert row_line("lms-v2-overlap", row, {}).splitlines()[-1] == (
+        "    optimizer state: host for the last 20 of 25 parameter groups; 7 back on the device "
+        "(3.4 GB), 6.4 GB left on the host"
+    )
+    result["session_stats"] = {"host_returned_groups": 0, "host_placed_bytes": 9_830_400_000}
+    row = make_row(result, "lms-v2-overlap", 17 * GiB, None, native)
+    assert row_line("lms-v2-overlap", row, {}).splitlines()[-1] == (
+        "    optimizer state: host for the last 20 of 25 parameter groups"
+    )
+    del result["placement"]  # a column that names none (lms-v2): no line
+    row = make_row(result, "lms-v2", 17 * GiB, None, native)
+    assert "optimizer state" not in row_line("lms-v2", row, {})
+
+
 def test_the_host_loop_is_the_same_work_and_its_best_run_is_kept(monkeypatch):
     import _bench_common
 
