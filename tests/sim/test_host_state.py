@@ -4,6 +4,7 @@ same model with and without a session and asserts what a user sees: the same los
 parameters, the state where the session says it is, and the stats that say what each step did."""
 
 import contextlib
+import copy
 import itertools
 
 import pytest
@@ -442,3 +443,31 @@ def test_state_stays_on_the_host_when_it_cannot_come_back(monkeypatch, why):
     assert_same_training(losses, model, optimizer, expected)
     assert stats["host_returned_groups"] == 0 and stats["host_returned_bytes"] == 0
     assert all(is_on_host(m) for m in moments(optimizer, on_host))
+
+
+def test_a_checkpoint_loaded_after_state_came_back_lands_where_the_state_lies_now(monkeypatch):
+    # Note [Loading a checkpoint mid-session] goes by the groups still on the host: the group
+    # that came back loads onto the device, the others into host memory, and the training is
+    # the same as one that loaded nothing.
+    expected = reference(steps=5)
+    model, optimizer = make_model(groups=True)
+    on_host = optimizer.param_groups[-3:]
+    session = returning_session(model, optimizer, on_host, state_returns=True)
+    group_bytes = 2 * sum(p.nbytes for p in on_host[0]["params"] if p.nbytes >= SMALL)
+    room = group_bytes + group_bytes // 2  # one group fits
+    monkeypatch.setattr(
+        session, "_allocator_peak", lambda: session._quiet_line - room + session._returned_bytes
+    )
+    losses = train(model, optimizer, session, steps=2)
+    assert session.stats()["host_returned_groups"] == 1
+    for _ in range(3):
+        session.fetch_all()  # the state's bytes on the device, to copy
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        losses += train(model, optimizer, session, steps=1)
+    stats = session.stats()
+    session.close()
+    assert_same_training(losses, model, optimizer, expected)
+    assert stats["host_returned_groups"] == 1
+    assert not any(is_on_host(m) for m in moments(optimizer, on_host[:1]))
+    assert all(is_on_host(m) for m in moments(optimizer, on_host[1:]))
+    assert stats["host_placed_bytes"] == 2 * group_bytes
