@@ -734,8 +734,6 @@ class LmsSession:
         if not self.state_returns or not self._host_state.placed_bytes or peak <= 0:
             return  # (no peak: a device without the counter, where nothing says there is room)
         room = self._quiet_line - peak
-        if room <= 0:
-            return  # (every iteration of XL at 3x and GPT-2 medium at 4x: no walk of the groups)
         with self._own_operators():
             self._bring_groups_back(room)
 
