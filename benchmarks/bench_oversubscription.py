@@ -257,6 +257,7 @@ def combine_processes(results: list[dict]) -> dict:
                 "back_to_back_median_s",
                 "host_python_ms",
                 "peak_bytes",
+                "losses",
                 "wall_s",
                 "error",
             )
