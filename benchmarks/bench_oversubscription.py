@@ -233,7 +233,8 @@ MEASURES = ("back-to-back", "synchronized")
 
 def combine_processes(results: list[dict]) -> dict:
     """One column's result from its processes (--processes): the figures of the process with
-    the median step (the lower of the two middle ones when even), so that every figure comes
+    the median step (the slower of the two middle ones when even: of two processes the
+    slower, a column's worse reading rather than its better), so that every figure comes
     from one run; the peak the highest any process reached (a limit holds only if it held in
     all); each process's median step and what failed kept beside them."""
     if len(results) == 1:
@@ -242,7 +243,7 @@ def combine_processes(results: list[dict]) -> dict:
     if not ran:
         combined = dict(results[-1])
     else:
-        combined = dict(ran[(len(ran) - 1) // 2])
+        combined = dict(ran[len(ran) // 2])
         combined["peak_bytes"] = max(r["peak_bytes"] for r in ran)
     combined["process_step_medians"] = [r["step_median_s"] for r in ran]
     # Each process's host speed (the slower of its two readings), in the same order
