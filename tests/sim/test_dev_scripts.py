@@ -5,8 +5,9 @@ what a traced step's idle gaps are put down to (lms_step_timeline.py), which thr
 CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration
 (lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
 (host_speed_under_copies.py), how a small read behind copies is tabled
-(small_read_behind_copies.py), and the timing of the session's per-step walks
-(lms_block_end_cost.py). All run here without a GPU."""
+(small_read_behind_copies.py), the timing of the session's per-step walks
+(lms_block_end_cost.py), and the session's host cost on the CPU (session_host_cost_cpu.py).
+All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
 import pyspy_summary  # noqa: E402
 import replay_planner  # noqa: E402
+import session_host_cost_cpu  # noqa: E402
 import small_read_behind_copies  # noqa: E402
 import thread_cpu  # noqa: E402
 
@@ -828,3 +830,20 @@ def test_the_block_end_cost_script_times_the_walk_and_the_question_on_cpu(capsys
     assert set(result) == {"walk_us", "group_question_us"}
     assert all(value > 0 for value in result.values())
     assert "the block's end walk" in capsys.readouterr().out
+
+
+def test_the_cpu_host_cost_trains_the_same_losses_with_the_session_and_pages():
+    printed = []
+    small = ["--layers", "4", "--width", "32", "--steps", "3", "--warmup", "5", "--rounds", "1"]
+    (result,) = session_host_cost_cpu.main(
+        [*small, "--profile", "5", "--limit-share", "0.25"], say=printed.append
+    )
+    (plain_s, plain_losses, _), (session_s, session_losses, stats) = (
+        result["baseline"],
+        result["session"],
+    )
+    assert session_losses == plain_losses and len(plain_losses) == 8  # bit for bit
+    assert stats["pageout_bytes"] > 0 and stats["event_iterations"] > 0  # it paged, by events
+    assert plain_s > 0 and session_s > 0
+    assert printed[0].startswith("round 1: without ") and "losses equal" in printed[0]
+    assert len(printed) == 2 + 5 and any("lms_events.py" in line for line in printed[2:])
