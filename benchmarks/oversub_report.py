@@ -157,16 +157,21 @@ def loss_diff(run: dict, native: dict, set_aside=frozenset()) -> tuple[float | N
     return max(abs(a - b) for a, b in pairs), len(pairs)
 
 
+# The peers whose arithmetic is native's reordered (the same fused AdamW on the device):
+# FSDP2's offloaded AdamW steps on the CPU, another arithmetic, so it names no chaotic step.
+SAME_ARITHMETIC = (CKPT, CKPT_SAVE_ON_CPU, SAVE_ON_CPU)
+
+
 def chaotic_steps(runs: dict, regime: str, native: dict) -> dict[int, dict]:
-    """Step indices at which a PyTorch peer (no limit, the same model and batch) already
-    differs from native by more than LOSS_TOLERANCE: the same arithmetic reordered, so bf16
+    """Step indices at which a PyTorch peer of SAME_ARITHMETIC (no limit, the same model and
+    batch) already differs from native by more than LOSS_TOLERANCE: reordered, so bf16
     noise there is amplified past what the check can tell from a fault (GPT-2 medium's one
     fixed batch spikes its loss at the tenth step, and checkpointing lands 2.4e-2 off there).
     The check sets those steps aside and reports them; a fault that corrupts training stays
     visible in the steps after. {index: {"peer": name, "peer_diff": its difference}}."""
     found: dict[int, dict] = {}
     reference = native.get("losses") or []
-    for peer in PEERS:
+    for peer in SAME_ARITHMETIC:
         run = runs.get(run_key(regime, None, peer))
         if not good(run) or signature(run.get("model")) != signature(native.get("model")):
             continue
