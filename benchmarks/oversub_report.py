@@ -569,15 +569,15 @@ def explain(label: str, rows: dict, limit: int, bandwidth: dict) -> list[str]:
     return notes
 
 
-def loss_check(runs: dict) -> dict:
+def loss_check(runs: dict, chaotic_by_regime: dict[str, dict[int, dict]]) -> dict:
     """Per regime: max |loss - native| of every run, over the step indices both ran but the
-    chaotic ones (set aside, with every run's difference there)."""
+    chaotic ones analyze() found (set aside, with every run's difference there)."""
     check: dict[str, dict] = {}
     for regime in REGIMES:
         native = runs.get(run_key(regime, None, NATIVE))
         if not good(native) or not native.get("losses"):
             continue
-        chaotic = chaotic_steps(runs, regime, native)
+        chaotic = chaotic_by_regime.get(regime, {})
         diffs, steps, set_aside = {}, {}, {}
         for key, run in runs.items():
             if run.get("regime") != regime or key.endswith("/native") or not good(run):
@@ -630,6 +630,7 @@ def analyze(data: dict) -> None:
     bandwidth = data.get("bandwidth") or {}
     groups: dict[str, dict] = {}
     targets: dict[str, dict] = {}
+    chaotic_by_regime: dict[str, dict[int, dict]] = {}
     for regime in REGIMES:
         native = runs.get(run_key(regime, None, NATIVE))
         if not good(native) or not native.get("peak_bytes"):
@@ -638,7 +639,7 @@ def analyze(data: dict) -> None:
         ckpt = runs.get(run_key(regime, None, CKPT))
         if good(ckpt) and signature(ckpt.get("model")) != signature(native.get("model")):
             ckpt = None
-        chaotic = chaotic_steps(runs, regime, native)
+        chaotic = chaotic_by_regime[regime] = chaotic_steps(runs, regime, native)
         for ratio in sorted(data.get("ratios", [])):
             limit = int(peak / ratio)
             ideals = {
@@ -679,7 +680,7 @@ def analyze(data: dict) -> None:
                 targets[f"{group_key} {name}"] = verdict
     data["analysis"] = {
         "groups": groups,
-        "losses": loss_check(runs),
+        "losses": loss_check(runs, chaotic_by_regime),
         "no_limit": no_limit_overhead(runs),
     }
     data["targets"] = targets

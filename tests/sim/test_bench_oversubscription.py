@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_oversubscription as bench  # noqa: E402
 from oversub_child import settle  # noqa: E402
-from oversub_report import analyze, loss_check, losses_line, make_row, row_line  # noqa: E402
+from oversub_report import analyze, losses_line, make_row, row_line  # noqa: E402
 
 GiB = 1 << 30
 
@@ -335,18 +335,18 @@ def loss_runs(session_losses: list[float], checkpointing_losses: list[float]) ->
     }
 
 
-def judged_losses(runs: dict) -> tuple[dict, dict]:
-    """analyze()'s loss target at 3x and the session's row."""
+def judged_losses(runs: dict) -> tuple[dict, dict, dict]:
+    """analyze()'s loss target at 3x, the session's row and the regime's loss summary."""
     data = {"runs": runs, "ratios": [3.0], "bandwidth": {}}
     analyze(data)
     row = data["analysis"]["groups"]["activation/3x"]["columns"]["lms-v2-overlap"]
-    return data["targets"]["activation/3x losses"], row
+    return data["targets"]["activation/3x losses"], row, data["analysis"]["losses"]["activation"]
 
 
 def test_a_step_where_pytorch_alone_is_off_native_is_set_aside_and_reported():
     # checkpointing, PyTorch alone, lands 0.024 off native at the spike; the session 0.084
     runs = loss_runs([10.5, 10.201, 10.416, 10.011], [10.5, 10.2, 10.524, 10.001])
-    target, row = judged_losses(runs)
+    target, row, check = judged_losses(runs)
     assert target["verdict"] == "PASS" and target["value"] == pytest.approx(0.011)
     assert target["every_step"] == pytest.approx(0.084)  # reported, not hidden
     assert row["loss_steps_compared"] == 3
@@ -362,7 +362,6 @@ def test_a_step_where_pytorch_alone_is_off_native_is_set_aside_and_reported():
     peer = make_row(checkpointing, "checkpointing", 9 * GiB, None, native, {2: entry})
     assert peer["loss_set_aside"] == []  # its own spike is not repeated under its row
     assert make_row(native, "native", 9 * GiB, None, native, {2: entry})["loss_set_aside"] == []
-    check = loss_check(runs)["activation"]
     assert list(check["chaotic_steps"]) == [3]
     assert check["chaotic_steps"][3]["peer_diff"] == pytest.approx(0.024)
     assert check["max_abs_diff"]["activation/3x/lms-v2-overlap"] == pytest.approx(0.011)
@@ -374,7 +373,7 @@ def test_without_such_a_step_every_step_is_judged_and_a_far_loss_fails():
     # FSDP2's AdamW steps on the CPU, another arithmetic: its being off names no step
     fsdp = {**runs["activation/checkpointing"], "losses": [10.5, 10.2, 10.6, 10.0]}
     runs["activation/fsdp2-cpu-offload"] = fsdp
-    target, row = judged_losses(runs)
+    target, row, _ = judged_losses(runs)
     assert target["verdict"] == "FAIL" and target["value"] == pytest.approx(0.084)
     assert row["loss_steps_compared"] == 4 and row["loss_set_aside"] == []
     assert losses_line(row) == ""
@@ -383,7 +382,7 @@ def test_without_such_a_step_every_step_is_judged_and_a_far_loss_fails():
 def test_a_far_loss_after_the_spike_still_fails():
     # A fault shows in the steps after the spike too: setting the spike aside hides nothing there
     runs = loss_runs([10.5, 10.201, 10.416, 10.2], [10.5, 10.2, 10.524, 10.001])
-    target, _ = judged_losses(runs)
+    target, _, _ = judged_losses(runs)
     assert target["verdict"] == "FAIL" and target["value"] == pytest.approx(0.2)
 
 
