@@ -77,7 +77,9 @@ Note [Staging areas]
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -149,6 +151,10 @@ class _Placed:
         self.host = host  # the bytes (pinned on a GPU machine)
         self.view = view  # what the optimizer holds between steps: the host bytes, as a tensor
         self.out_event: torch.cuda.Event | None = None  # the last copy out of the device
+
+
+# What HostState.on_host finds: (parameter, its optimizer state, the key, the host copy)
+OnHost = tuple[torch.Tensor, dict[str, Any], str, "_Placed"]
 
 
 class HostState:
@@ -272,26 +278,22 @@ class HostState:
         self._placed[key] = placed
         self.placed_bytes += placed.host.nbytes
 
-    def held_bytes(self, parameter: torch.Tensor, state: dict[str, Any]) -> int:
-        """The bytes of ``parameter``'s state that this keeps on the host."""
-        total = 0
-        for key, value in state.items():
-            placed = self._placed.get((id(parameter), key))
-            if placed is not None and value is placed.view:
-                total += placed.host.nbytes
-        return total
-
-    def bring_back(self, pairs: list[tuple[torch.Tensor, dict[str, Any]]]) -> int:
-        """The state of each (parameter, state) that is on the host, copied back into device
-        memory and put in the optimizer's place (Note [State coming back] in lms_session.py):
-        all of it, or none where the device copies do not fit. The bytes brought back."""
-        found = [
+    def on_host(self, pairs: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> list[OnHost]:
+        """The state tensors of each (parameter, its optimizer state) that live on the host:
+        the optimizer still holds this host copy's view (a step may have put another tensor in
+        its place)."""
+        return [
             (parameter, state, key, placed)
             for parameter, state in pairs
             for key, value in state.items()
             if (placed := self._placed.get((id(parameter), key))) is not None
             and value is placed.view
         ]
+
+    def bring_back(self, found: list[OnHost]) -> int:
+        """The state ``on_host`` found, copied back into device memory and put in the
+        optimizer's place (Note [State coming back] in lms_session.py): all of it, or none where
+        the device copies do not fit. The bytes brought back."""
         if not found:
             return 0
         try:
@@ -315,16 +317,13 @@ class HostState:
     def stage_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a step: the state it reads is staged on the device, or read in place."""
         self.flush()
-        found = []
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                state = optimizer.state.get(parameter)
-                if not state or parameter.grad is None:
-                    continue  # optimizers skip a parameter without a gradient
-                for key in state:
-                    placed = self._placed.get((id(parameter), key))
-                    if placed is not None and state[key] is placed.view:
-                        found.append((state, key, placed))
+        stepped = (  # optimizers skip a parameter without a gradient
+            (parameter, optimizer.state[parameter])
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+            if parameter.grad is not None and optimizer.state.get(parameter)
+        )
+        found = [(state, key, placed) for _, state, key, placed in self.on_host(stepped)]
         if not found:
             # A step with no state on the host: the steps that stage are over, as a rule, and
             # what comes next needs the room (Note [Staging areas]).
@@ -379,8 +378,6 @@ class HostState:
         for the compute stream first (step_in_backward's lanes do already), so the block's last
         use there is done, and the copies are recorded on it when they are dropped."""
         try:
-            if stream is None:
-                return [_device_copy(v) for v in views]
             with self._from_compute_pool(stream):
                 return [_device_copy(v) for v in views]
         except torch.OutOfMemoryError:
@@ -437,25 +434,22 @@ class HostState:
         if old is not None:
             self._give_back(old, stream)
         del old
-        if stream is None:
+        with self._from_compute_pool(stream):
             area = _Area(_area_buffer(nbytes, self.device))
-        else:
-            with self._from_compute_pool(stream):
-                area = _Area(_area_buffer(nbytes, self.device))
         self._areas[stream] = area
         return area
 
     def _take_memory(self, area: _Area, stream: torch.cuda.Stream | None) -> None:
         """Memory again for an area that gave it back, from the compute stream's pool."""
-        if stream is None:
+        with self._from_compute_pool(stream):
             _area_memory(area.buffer, area.capacity)
-        else:
-            with self._from_compute_pool(stream):
-                _area_memory(area.buffer, area.capacity)
 
-    def _from_compute_pool(self, stream: torch.cuda.Stream) -> Any:
+    def _from_compute_pool(self, stream: torch.cuda.Stream | None) -> Any:
         """Allocations in it come from the compute stream's pool, for `stream` to use: `stream`
-        waits for the compute stream first, so the block's last use there is done."""
+        waits for the compute stream first, so the block's last use there is done. Without a
+        stream (the CPU) nothing changes."""
+        if stream is None:
+            return contextlib.nullcontext()
         compute = torch.cuda.default_stream(self.device)
         if stream != compute:
             self._handover.wait_for(stream, compute)

@@ -742,12 +742,13 @@ class LmsSession:
             for group in optimizer.param_groups:
                 parameters = [p for p in group["params"] if id(p) in self._host_parameters]
                 pairs = [(p, optimizer.state[p]) for p in parameters if p in optimizer.state]
-                held = sum(self._host_state.held_bytes(p, state) for p, state in pairs)
+                found = self._host_state.on_host(pairs)
+                held = sum(placed.host.nbytes for *_, placed in found)
                 if held == 0:
                     continue
                 if held > room:
                     return
-                brought = self._host_state.bring_back(pairs)
+                brought = self._host_state.bring_back(found)
                 if brought == 0:
                     return  # no room for the device copies after all
                 self._host_parameters.difference_update(id(p) for p in parameters)
