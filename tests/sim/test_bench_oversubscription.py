@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_oversubscription as bench  # noqa: E402
 from oversub_child import settle  # noqa: E402
-from oversub_report import analyze, losses_line, make_row, row_line  # noqa: E402
+from oversub_report import analyze, ideal_of, losses_line, make_row, row_line  # noqa: E402
 
 GiB = 1 << 30
 
@@ -56,6 +56,24 @@ def test_an_even_count_takes_the_slower_middle_process():
     assert bench.combine_processes(results)["step_median_s"] == 0.26
     two = [child_result(s, 8.0, str(s)) for s in (0.375, 0.666)]
     assert bench.combine_processes(two)["step_median_s"] == 0.666  # the worse reading
+
+
+def test_an_ideal_from_an_even_count_takes_the_faster_middle_reference():
+    # The judged column takes its slower middle process; the reference of its ideal the faster
+    # one, so that an even count makes no target easier (XL 2x: checkpointing 0.252 and 0.294 s).
+    bandwidth = {"h2d": {"median_gbps": 50.0}, "d2h": {"median_gbps": 50.0}}
+    two = bench.combine_processes([child_result(s, 27.0, str(s)) for s in (0.294, 0.252)])
+    assert two["step_median_s"] == 0.294
+    ideal = ideal_of(two, 17 * GiB, bandwidth)
+    assert ideal["reference_step_s"] == 0.252 and ideal["step_s"] == 0.252
+    four = bench.combine_processes([child_result(s, 27.0, str(s)) for s in (0.3, 0.2, 0.22, 0.26)])
+    assert ideal_of(four, 17 * GiB, bandwidth)["reference_step_s"] == 0.22
+    three = bench.combine_processes([child_result(s, 27.0, str(s)) for s in (0.3, 0.2, 0.22)])
+    assert ideal_of(three, 17 * GiB, bandwidth)["reference_step_s"] == 0.22  # the median
+    alone = ideal_of(child_result(0.25, 27.0, "one"), 17 * GiB, bandwidth)
+    assert alone["reference_step_s"] == 0.25
+    # A link-bound ideal stays the link's: 20 GiB out (and in) at 50 GB/s
+    assert ideal_of(two, 7 * GiB, bandwidth)["step_s"] == pytest.approx(20 * GiB / 50e9)
 
 
 def test_a_failed_process_is_named_and_the_others_still_count():
