@@ -1,12 +1,16 @@
 """Runs the GPU tests spread over every GPU of the machine, then the multi-GPU ones on all of them.
 
-    python scripts/run_gpu_tests.py [pytest paths, default tests/gpu] [--out DIR]
+    python scripts/run_gpu_tests.py [pytest paths, default tests/gpu] [--out DIR] [--part K/N]
 
 Each GPU gets its own pytest process (CUDA_VISIBLE_DEVICES=i) and a round-robin share of the
 cases, so a machine with two GPUs runs the suite in about half the time. A case that skips
 because it needs more GPUs than its shard sees is run again afterwards with every GPU visible;
 on a one-GPU machine it stays skipped, with its reason. Logs and JUnit XML go to --out (default
 $OUT or ./.out); a table of the counts comes last, and the exit status is pytest's worst.
+
+--part K/N runs every N-th case from the K-th (1-based), so that N calls together run the suite
+once: on one H200 its cases took about 720 s, past the lent machine's ten minutes a call, and
+--part 1/2 then --part 2/2 each fit. The round robin spreads the long cases over the parts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,19 @@ def collect(paths: list[str]) -> list[str]:
     if not ids:
         raise SystemExit(f"no tests collected from {paths}:\n{listing.stdout}\n{listing.stderr}")
     return ids
+
+
+def part_of(ids: list[str], part: str | None) -> list[str]:
+    """The cases of `part` ("K/N": every N-th case from the K-th, 1-based), or all of them."""
+    if part is None:
+        return ids
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise SystemExit(f"--part expects K/N (for example 1/2), got {part!r}") from None
+    if not 1 <= k <= n:
+        raise SystemExit(f"--part K/N needs 1 <= K <= N, got {part!r}")
+    return ids[k - 1 :: n]
 
 
 def run_pytest(ids: list[str], label: str, out: Path, devices: str | None) -> subprocess.Popen:
@@ -77,11 +94,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", default=["tests/gpu"])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
+    parser.add_argument("--part", help="K/N: every N-th case from the K-th (1-based)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ids = collect(args.paths)
+    collected = collect(args.paths)
+    ids = part_of(collected, args.part)
     gpus = gpu_count()
-    print(f"{len(ids)} cases over {gpus} GPU(s)", flush=True)
+    part = f" (part {args.part} of {len(collected)})" if args.part else ""
+    print(f"{len(ids)} cases{part} over {gpus} GPU(s)", flush=True)
     shards = [ids[index::gpus] for index in range(gpus)]
     processes = [
         run_pytest(shard, f"gpu{index}", args.out, str(index) if gpus > 1 else None)

@@ -33,6 +33,7 @@ import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
 import pyspy_summary  # noqa: E402
 import replay_planner  # noqa: E402
+import run_gpu_tests  # noqa: E402
 import session_host_cost_cpu  # noqa: E402
 import small_read_behind_copies  # noqa: E402
 import thread_cpu  # noqa: E402
@@ -847,3 +848,14 @@ def test_the_cpu_host_cost_trains_the_same_losses_with_the_session_and_pages():
     assert plain_s > 0 and session_s > 0
     assert printed[0].startswith("round 1: without ") and "losses equal" in printed[0]
     assert len(printed) == 2 + 5 and any("lms_events.py" in line for line in printed[2:])
+
+
+def test_the_parts_of_the_gpu_suite_run_each_case_once():
+    ids = [f"tests/gpu/test_scenarios.py::test_scenario[case{i}]" for i in range(7)]
+    parts = [run_gpu_tests.part_of(ids, f"{k}/3") for k in (1, 2, 3)]
+    assert parts[0] == ids[0::3] and parts[1] == ids[1::3]  # round robin: long cases spread
+    assert sorted(case for part in parts for case in part) == sorted(ids)
+    assert run_gpu_tests.part_of(ids, None) == ids and run_gpu_tests.part_of(ids, "1/1") == ids
+    for bad in ("0/2", "3/2", "2", "a/b"):
+        with pytest.raises(SystemExit, match="--part"):
+            run_gpu_tests.part_of(ids, bad)
