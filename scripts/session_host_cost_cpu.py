@@ -5,8 +5,13 @@ parameter group per four blocks, as the benchmark's lms-v2-overlap column does: 
 `tus.lms_session(watch="modules")` with `suggest_placement`'s placement and
 `tus.step_in_backward(free_gradients=True)`, and the same model and batch without the session.
 
-    python scripts/session_host_cost_cpu.py [--layers 24] [--width 64] [--limit-share 0.25]
-        [--steps 20] [--warmup 8] [--rounds 2] [--profile 25]
+    python scripts/session_host_cost_cpu.py [--model small|gpt2] [--layers 24] [--width 64]
+        [--limit-share 0.25] [--steps 20] [--warmup 8] [--rounds 2] [--profile 25] [--parts]
+
+--model gpt2 trains Hugging Face's GPT2LMHeadModel instead (transformers needed), at the same
+depth and width, with its dropout, its containers and model.gradient_checkpointing_enable(): the
+benchmark's model at a small width, so the module hooks and events a step are the GPU run's
+(1,070 hook calls a step against 1,094 at GPT-2 medium on an H200).
 
 On a GPU at GPT-2 medium 4x the session's step is the host's (the device is busy 148 ms of
 either step; benchmarks/results/lms_medium4x_host_probes_NVIDIA_H200.txt), so its Python is
@@ -18,18 +23,23 @@ width keeps them cheap). Compare a change with the script run before it, not wit
 Prints, a round a line: the step without and with the session (medians), the difference, and
 whether the losses matched bit for bit (they must: the session moves bytes, it does not change
 arithmetic); then, with --profile N, the session's N costliest functions by cumulative time a
-step (cProfile, over the session's timed steps of the last round).
+step (cProfile, over the session's timed steps of the last round); with --parts, unprofiled,
+the time a step of the session's parts (Note [Watching by events] in lms_events.py): the events
+(what they start included), the planner's calls, and the copy batches they carry out, each
+timed by a wrapper around the call (a clock read each side, under a microsecond).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import pstats
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +100,113 @@ def build(args: argparse.Namespace) -> tuple[SmallGPT, torch.optim.Optimizer, to
     return model, optimizer, ids
 
 
+def build_gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """Hugging Face's GPT-2 at this depth and width, checkpointed as the benchmark does, fused
+    AdamW in a group per four blocks (the rest of the parameters in one); called as the
+    training step calls it, it returns the loss."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as error:
+        message = f"--model gpt2 needs transformers (pip install transformers): {error}"
+        raise SystemExit(message) from None
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=args.seq,
+        n_embd=args.width,
+        n_layer=args.layers,
+        n_head=args.heads,
+        use_cache=False,
+    )
+    model = GPT2LMHeadModel(config)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = list(model.transformer.h)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in in_blocks]}]
+    for first in range(0, len(blocks), GROUP_BLOCKS):
+        chunk = blocks[first : first + GROUP_BLOCKS]
+        groups.append({"params": [p for b in chunk for p in b.parameters()]})
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    ids = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    return model, optimizer, ids
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, SmallGPT):
+        return model(ids)
+    return model(ids, labels=ids).loss
+
+
+class Parts:
+    """The time a step of the session's parts, each call timed by a wrapper (--parts)."""
+
+    def __init__(self, session) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+        events = session._events
+        self._wrap(
+            events, "event", "events (the planner calls and copy batches they start included)"
+        )
+        self._wrap(session, "_carry_out", "copy batches (started by events, gradients, operators)")
+        session._planner = _TimedPlanner(session._planner, self)
+
+    def _wrap(self, owner: object, name: str, label: str) -> None:
+        call = getattr(owner, name)
+
+        def timed(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def lines(self, steps: int) -> list[str]:
+        return [
+            f"{1e3 * seconds / steps:8.2f} ms {self.calls[label] / steps:7.1f} calls  {label}"
+            for label, seconds in sorted(self.seconds.items(), key=lambda item: -item[1])
+        ]
+
+
+class _TimedPlanner:
+    """The session's planner, its before_use and bring_in timed (Parts)."""
+
+    def __init__(self, planner: object, parts: Parts) -> None:
+        object.__setattr__(self, "_planner", planner)
+        object.__setattr__(self, "_parts", parts)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._planner, name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._planner, name, value)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._planner
+
+    def _timed(self, name: str, ids: list[int]) -> object:
+        start = time.perf_counter()
+        try:
+            return getattr(self._planner, name)(ids)
+        finally:
+            label = f"planner.{name}"
+            self._parts.seconds[label] += time.perf_counter() - start
+            self._parts.calls[label] += 1
+
+    def before_use(self, ids: list[int]) -> object:
+        return self._timed("before_use", ids)
+
+    def bring_in(self, ids: list[int]) -> object:
+        return self._timed("bring_in", ids)
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -106,20 +223,30 @@ def open_session(model, optimizer, limit_share: float):
     return session
 
 
-def train(args: argparse.Namespace, with_session: bool, profile: cProfile.Profile | None = None):
-    """Median step seconds, every loss, and the session's stats (empty without one)."""
-    model, optimizer, ids = build(args)
+def train(
+    args: argparse.Namespace,
+    with_session: bool,
+    profile: cProfile.Profile | None = None,
+    parts: list[Parts] | None = None,
+):
+    """Median step seconds, every loss, and the session's stats (empty without one); with
+    `parts`, the session's Parts (timed over the timed steps) is appended to it."""
+    model, optimizer, ids = (build_gpt2 if args.model == "gpt2" else build)(args)
     session = open_session(model, optimizer, args.limit_share) if with_session else None
+    timed_parts = Parts(session) if session is not None and parts is not None else None
 
     def step() -> float:
         with session if session is not None else contextlib.nullcontext():
-            loss = model(ids)
+            loss = loss_of(model, ids)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return float(loss.detach())
 
     losses = [step() for _ in range(args.warmup)]
+    if timed_parts is not None:
+        timed_parts.reset()
+        parts.append(timed_parts)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -163,6 +290,7 @@ def round_line(index: int, baseline: tuple, session: tuple) -> str:
 
 def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("small", "gpt2"), default="small")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -173,15 +301,22 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> l
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", type=int, default=0, help="this many session functions")
+    parser.add_argument("--parts", action="store_true", help="the session's parts, unprofiled")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core's pace, as the training thread's
     results = []
     for index in range(1, args.rounds + 1):
         profile = cProfile.Profile() if args.profile and index == args.rounds else None
         baseline = train(args, with_session=False)
-        session = train(args, with_session=True, profile=profile)
+        parts: list[Parts] | None = [] if args.parts and profile is None else None
+        session = train(args, with_session=True, profile=profile, parts=parts)
         say(round_line(index, baseline, session))
         results.append({"baseline": baseline, "session": session})
+        if parts:
+            say(f"the session's parts, a step (unprofiled, {args.steps} steps):")
+            for line in parts[0].lines(args.steps):
+                say(line)
+            results[-1]["parts"] = dict(parts[0].seconds)
         if profile is not None:
             say(f"the session's functions, cumulative, a step (cProfile, {args.steps} steps):")
             for line in session_functions(profile, args.steps, args.profile):

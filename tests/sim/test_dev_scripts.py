@@ -850,6 +850,24 @@ def test_the_cpu_host_cost_trains_the_same_losses_with_the_session_and_pages():
     assert len(printed) == 2 + 5 and any("lms_events.py" in line for line in printed[2:])
 
 
+def test_the_cpu_host_cost_times_the_sessions_parts_unprofiled():
+    printed = []
+    small = ["--layers", "4", "--width", "32", "--steps", "3", "--warmup", "5", "--rounds", "1"]
+    (result,) = session_host_cost_cpu.main([*small, "--parts"], say=printed.append)
+    assert result["session"][1] == result["baseline"][1]  # the wrappers change no arithmetic
+    assert printed[1] == "the session's parts, a step (unprofiled, 3 steps):"
+    parts = result["parts"]
+    events = parts["events (the planner calls and copy batches they start included)"]
+    assert 0 < parts["planner.before_use"] < events  # most of its calls from the events
+    assert any(line.endswith("planner.before_use") for line in printed[2:])
+
+
+def test_the_cpu_host_cost_says_what_hugging_faces_model_needs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # its import fails as if absent
+    with pytest.raises(SystemExit, match="--model gpt2 needs transformers"):
+        session_host_cost_cpu.main(["--model", "gpt2", "--layers", "2", "--rounds", "1"])
+
+
 def test_the_parts_of_the_gpu_suite_run_each_case_once():
     ids = [f"tests/gpu/test_scenarios.py::test_scenario[case{i}]" for i in range(7)]
     parts = [run_gpu_tests.part_of(ids, f"{k}/3") for k in (1, 2, 3)]
