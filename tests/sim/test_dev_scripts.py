@@ -31,6 +31,7 @@ import lms_block_end_cost  # noqa: E402
 import lms_state_split  # noqa: E402
 import lms_step_timeline  # noqa: E402
 import pinned_numa_bandwidth  # noqa: E402
+import planner_cold_cost  # noqa: E402
 import pyspy_summary  # noqa: E402
 import replay_planner  # noqa: E402
 import run_gpu_tests  # noqa: E402
@@ -866,6 +867,19 @@ def test_the_cpu_host_cost_says_what_hugging_faces_model_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # its import fails as if absent
     with pytest.raises(SystemExit, match="--model gpt2 needs transformers"):
         session_host_cost_cpu.main(["--model", "gpt2", "--layers", "2", "--rounds", "1"])
+
+
+def test_the_cold_cost_replays_a_logged_step_warm_and_cold():
+    printed = []
+    result = planner_cold_cost.main(
+        [str(PLANNER_LOG_AHEAD), "--evict-mib", "1", "--repeat", "1"], say=printed.append
+    )
+    assert set(result) == {"warm", "cold"}
+    for side in result.values():  # every kind the log calls, and the property read
+        assert {"before_use", "add", "remove", "end_iteration", "a property read"} <= set(side)
+        assert all(us > 0 for us in side.values())
+    assert printed[0].startswith("call") and "1 MiB written before each before_use" in printed[0]
+    assert any(line.startswith("before_use") for line in printed[1:])
 
 
 def test_the_parts_of_the_gpu_suite_run_each_case_once():
