@@ -90,14 +90,22 @@ class SmallGPT(torch.nn.Module):
 def build(args: argparse.Namespace) -> tuple[SmallGPT, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
     model = SmallGPT(args.layers, args.width, args.heads, args.seq)
-    blocks = list(model.blocks)
-    groups = [{"params": [p for n, p in model.named_parameters() if not n.startswith("blocks")]}]
+    return model, *optimizer_and_batch(model, list(model.blocks), args)
+
+
+def optimizer_and_batch(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.Namespace
+) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """Fused AdamW with the parameters outside `blocks` in one group and a group per four
+    blocks, and the batch (fixed)."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in in_blocks]}]
     for first in range(0, len(blocks), GROUP_BLOCKS):
         chunk = blocks[first : first + GROUP_BLOCKS]
         groups.append({"params": [p for b in chunk for p in b.parameters()]})
     optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
     ids = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    return model, optimizer, ids
+    return optimizer, ids
 
 
 def build_gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -121,15 +129,7 @@ def build_gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.O
     model = GPT2LMHeadModel(config)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    blocks = list(model.transformer.h)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    groups = [{"params": [p for p in model.parameters() if id(p) not in in_blocks]}]
-    for first in range(0, len(blocks), GROUP_BLOCKS):
-        chunk = blocks[first : first + GROUP_BLOCKS]
-        groups.append({"params": [p for b in chunk for p in b.parameters()]})
-    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
-    ids = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    return model, optimizer, ids
+    return model, *optimizer_and_batch(model, list(model.transformer.h), args)
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
