@@ -39,7 +39,6 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +107,9 @@ def optimizer_and_batch(
     return optimizer, ids
 
 
-def build_gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def build_gpt2(
+    args: argparse.Namespace,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
     """Hugging Face's GPT-2 at this depth and width, checkpointed as the benchmark does, fused
     AdamW in a group per four blocks (the rest of the parameters in one); called as the
     training step calls it, it returns the loss."""
@@ -301,7 +302,11 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> l
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", type=int, default=0, help="this many session functions")
-    parser.add_argument("--parts", action="store_true", help="the session's parts, unprofiled")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="the session's parts, unprofiled (not with --profile's round)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core's pace, as the training thread's
     results = []
