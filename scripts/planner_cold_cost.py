@@ -19,22 +19,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import time
 from collections.abc import Callable
 
 import torch
+from replay_planner import planner_calls, read_log
 
 from torch_uvm_saver import _C
 
 TRIVIAL_CALLS = 2000
-
-
-def read_log(path: str) -> list:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def replay_timed(log: list, before_each: Callable[[], None] | None) -> dict[str, list[float]]:
@@ -42,16 +35,7 @@ def replay_timed(log: list, before_each: Callable[[], None] | None) -> dict[str,
     before_use, outside the timing."""
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    planner = None
-    for entry in log:
-        if entry[0] == "new":
-            planner = _C.RelocationPlanner(entry[1])
-            planner.page_out_ahead = False  # a log from before it names no setting: it was off
-            continue
-        if entry[0] == "set":
-            setattr(planner, entry[1], entry[2])
-            continue
-        name, args, _ = entry
+    for planner, name, args, _ in planner_calls(log):
         call = getattr(planner, name)
         if before_each is not None and name == "before_use":
             before_each()

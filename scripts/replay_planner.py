@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from collections.abc import Iterator
+from typing import Any
 
 from torch_uvm_saver import _C
 
@@ -34,10 +36,16 @@ def as_logged(value: object) -> object:
     return json.loads(json.dumps(value))
 
 
-def replay(log: list, verify: bool) -> tuple[list[dict], int]:
+def read_log(path: str) -> list:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def planner_calls(log: list) -> Iterator[tuple[Any, str, list, object]]:
+    """(planner, call name, arguments, logged result) for each logged call, on fresh planners
+    of this build made and set as the log says."""
     planner = None
-    iterations: list[dict] = []
-    differences = 0
     for entry in log:
         if entry[0] == "new":
             planner = _C.RelocationPlanner(entry[1])
@@ -48,6 +56,13 @@ def replay(log: list, verify: bool) -> tuple[list[dict], int]:
             setattr(planner, entry[1], entry[2])
             continue
         name, args, logged = entry
+        yield planner, name, args, logged
+
+
+def replay(log: list, verify: bool) -> tuple[list[dict], int]:
+    iterations: list[dict] = []
+    differences = 0
+    for planner, name, args, logged in planner_calls(log):
         got = getattr(planner, name)(*args)
         if verify and as_logged(got) != logged:
             differences += 1
@@ -64,10 +79,7 @@ def main() -> None:
     parser.add_argument("log")
     parser.add_argument("--verify", action="store_true", help="compare results with the log's")
     args = parser.parse_args()
-    opener = gzip.open if args.log.endswith(".gz") else open
-    with opener(args.log, "rt") as f:
-        log = json.load(f)
-    iterations, differences = replay(log, args.verify)
+    iterations, differences = replay(read_log(args.log), args.verify)
     print(
         "iteration | out GB | of them ahead GB | in on demand GB | prefetched GB | "
         "prefetches failed | OOM events"
