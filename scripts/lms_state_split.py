@@ -31,7 +31,8 @@ limit runs first, as the baseline. Each configuration runs in a process of its o
         for the warm-up and the timed steps, then turned on and off on alternate steps over 2
         x --steps more, both sides' medians printed: print_alternating())
 
-A share of "helper" takes tus.suggest_placement's choice (gradients_freed as --free says).
+A share of "helper" takes tus.suggest_placement's keywords (gradients_freed as --free says), as the
+benchmark's lms-v2-overlap column does: state_returns with them where state goes to the host.
 --one groups and --one overlap run without a session (WITHOUT_SESSION): with the limit far above
 the peak, "0,1" and "0.79,1" then add the session and its staging one piece at a time.
 
@@ -127,7 +128,11 @@ COUNTED = (  # the session's counters reported per step
 # nodefer queues the page-outs asked for after an iteration's last read at once instead of
 # with the next iteration's first plan (Note [Page-outs at the iteration's end]); noareas
 # stages a side stream's steps in copies allocated for each step instead of in the stream's
-# area (Note [Staging areas]).
+# area (Note [Staging areas]); flat (an experiment) lays each transformer block's parameters out
+# in one storage and AdamW's two moments of them in one storage each, made before the first step
+# (flatten_blocks; the host groups' state is left to the optimizer, so that it can go to the host
+# whole), so that a block pages in three moves instead of one a tensor (not kept:
+# benchmarks/results/lms_medium4x_flat_blocks_NVIDIA_H200.txt).
 SWITCHES = (
     "clear",
     "events",
@@ -139,6 +144,7 @@ SWITCHES = (
     "retrymiss",
     "nodefer",
     "noareas",
+    "flat",
 )
 
 
@@ -154,6 +160,19 @@ def host_groups(optimizer: torch.optim.Optimizer, share: float) -> list[dict]:
         chosen.append(group)
         held += sum(p.nbytes for p in group["params"])
     return chosen
+
+
+def session_placement(
+    share: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, limit: int, free: bool
+) -> dict:
+    """The session's placement keywords for a share: "helper" takes all of suggest_placement's,
+    as the benchmark does (state_returns with a placement on the host: Note [State coming back]
+    in lms_session.py); a number, the state of that share of the groups on the host."""
+    import torch_uvm_saver as tus
+
+    if share == "helper":
+        return tus.suggest_placement([model], [optimizer], limit, gradients_freed=free)
+    return {"optimizer_state": host_groups(optimizer, float(share))}
 
 
 def print_samples(one, steps: int, interval: float = 0.0005) -> None:
@@ -588,6 +607,38 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
     return toggles
 
 
+def flatten_blocks(blocks, optimizer: torch.optim.Optimizer, no_state: set[int]) -> int:
+    """The switch flat: each block's parameters re-laid out in one storage (values kept, every
+    view 256-byte aligned for the fused kernels), and fused AdamW's state of them made as views
+    of one storage per moment, except for blocks with a parameter in `no_state` (ids). Returns
+    the storages made."""
+    align = 64  # elements
+    made = 0
+    for block in blocks:
+        params = [p for p in block.parameters() if p.requires_grad]
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += (p.numel() + align - 1) // align * align
+        flat = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for p, at in zip(params, offsets):
+                view = flat[at : at + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+        made += 1
+        if any(id(p) in no_state for p in params):
+            continue
+        moments = [torch.zeros_like(flat) for _ in range(2)]
+        made += 2
+        for p, at in zip(params, offsets):
+            state = optimizer.state[p]  # as fused AdamW's first step would make it
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = moments[0][at : at + p.numel()].view_as(p)
+            state["exp_avg_sq"] = moments[1][at : at + p.numel()].view_as(p)
+    return made
+
+
 def learn_from_retries(session, read_stats=None) -> None:
     """The switch retrymiss, an experiment: in a recorded iteration, an operator inside which
     PyTorch's allocator retried (gave its cached blocks back to fit a request) counts as a near
@@ -816,19 +867,19 @@ def run_one(
     alternated: frozenset[str] = frozenset()
     if probe == "alternate":  # the switches go on and off after the timed steps
         alternated, switches = switches, frozenset()
+    placement = {} if no_session else session_placement(share, model, optimizer, limit, free)
+    if "flat" in switches:  # before the session: it takes the state as it finds it
+        host = placement.get("optimizer_state", "device")
+        groups = optimizer.param_groups if host == "host" else host if host != "device" else []
+        no_state = {id(p) for g in groups for p in g["params"]}
+        made = flatten_blocks(model.transformer.h, optimizer, no_state)
+        print(f"flat: {made} storages, {len(no_state)} parameters' state left", flush=True)
     if not no_session:
-        placement = (
-            tus.suggest_placement([model], [optimizer], limit, gradients_freed=free)[
-                "optimizer_state"
-            ]
-            if share == "helper"
-            else host_groups(optimizer, float(share))
-        )
         session = tus.lms_session(
             limit,
             [model],
             [optimizer],
-            optimizer_state=placement,
+            **placement,
             watch=watch,
             quiet=quiet,
             prefetch_depth=prefetch_depth,

@@ -2,7 +2,8 @@
 replay that names why PyTorch's allocator retried (lms_allocator_retries.py), which files an
 A/B swaps (ab_python_change.py), the replay of a session's planner calls (replay_planner.py),
 what a traced step's idle gaps are put down to (lms_step_timeline.py), which thread a step's
-CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration
+CPU time is charged to (thread_cpu.py), how rounds of processes make one row a configuration,
+which placement keywords its "helper" passes and how its switch flat lays blocks out
 (lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
 (host_speed_under_copies.py), how a small read behind copies is tabled
 (small_read_behind_copies.py), the timing of the session's per-step walks
@@ -891,3 +892,56 @@ def test_the_parts_of_the_gpu_suite_run_each_case_once():
     for bad in ("0/2", "3/2", "2", "a/b"):
         with pytest.raises(SystemExit, match="--part"):
             run_gpu_tests.part_of(ids, bad)
+
+
+def _blocks_and_optimizer(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(
+            torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 24)
+        )
+        for _ in range(3)
+    )
+    return blocks, torch.optim.AdamW(blocks.parameters(), lr=1e-2, fused=True)
+
+
+def test_the_flat_switch_lays_each_block_out_in_one_storage_and_trains_bit_for_bit():
+    import torch
+
+    plain, plain_optimizer = _blocks_and_optimizer(0)
+    flat, flat_optimizer = _blocks_and_optimizer(0)
+    no_state = {id(p) for p in flat[2].parameters()}  # a host group's: its state left alone
+    assert lms_state_split.flatten_blocks(flat, flat_optimizer, no_state) == 3 + 2 * 2
+    for block in flat:
+        assert len({p.untyped_storage().data_ptr() for p in block.parameters()}) == 1
+    assert not any(flat_optimizer.state[p] for p in flat[2].parameters())
+    moments = {
+        flat_optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
+        for p in flat[0].parameters()
+    }
+    assert len(moments) == 1
+    x = torch.randn(5, 24)
+    for _ in range(3):
+        for blocks, optimizer in ((plain, plain_optimizer), (flat, flat_optimizer)):
+            y = x
+            for block in blocks:
+                y = block(y)
+            y.square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), flat.parameters()))
+
+
+def test_the_helper_configuration_takes_every_keyword_the_benchmark_takes():
+    import torch_uvm_saver as tus
+
+    blocks, optimizer = _blocks_and_optimizer(0)
+    state_bytes = 2 * sum(p.nbytes for p in blocks.parameters())
+    limit = state_bytes // 2  # the helper sends state to the host
+    helper = lms_state_split.session_placement("helper", blocks, optimizer, limit, True)
+    assert helper == tus.suggest_placement([blocks], [optimizer], limit, gradients_freed=True)
+    assert helper["state_returns"] is True
+    share = lms_state_split.session_placement("1", blocks, optimizer, limit, True)
+    assert share == {"optimizer_state": optimizer.param_groups}
