@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from lms_state_split import timed_into
 
 import torch_uvm_saver as tus
 
@@ -153,17 +154,7 @@ class Parts:
         session._planner = _TimedPlanner(session._planner, self)
 
     def _wrap(self, owner: object, name: str, label: str) -> None:
-        call = getattr(owner, name)
-
-        def timed(*args: object) -> object:
-            start = time.perf_counter()
-            try:
-                return call(*args)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
+        setattr(owner, name, timed_into(getattr(owner, name), label, self.seconds, self.calls))
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -177,11 +168,15 @@ class Parts:
 
 
 class _TimedPlanner:
-    """The session's planner, its before_use and bring_in timed (Parts)."""
+    """The session's planner, its before_use and bring_in timed (Parts): the native object's
+    methods cannot be replaced, so this stands in front of it."""
 
     def __init__(self, planner: object, parts: Parts) -> None:
         object.__setattr__(self, "_planner", planner)
-        object.__setattr__(self, "_parts", parts)
+        for name in ("before_use", "bring_in"):
+            real = getattr(planner, name)
+            timed = timed_into(real, f"planner.{name}", parts.seconds, parts.calls)
+            object.__setattr__(self, name, timed)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._planner, name)
@@ -191,21 +186,6 @@ class _TimedPlanner:
 
     def __contains__(self, block: int) -> bool:
         return block in self._planner
-
-    def _timed(self, name: str, ids: list[int]) -> object:
-        start = time.perf_counter()
-        try:
-            return getattr(self._planner, name)(ids)
-        finally:
-            label = f"planner.{name}"
-            self._parts.seconds[label] += time.perf_counter() - start
-            self._parts.calls[label] += 1
-
-    def before_use(self, ids: list[int]) -> object:
-        return self._timed("before_use", ids)
-
-    def bring_in(self, ids: list[int]) -> object:
-        return self._timed("bring_in", ids)
 
 
 def model_bytes(model: torch.nn.Module) -> int:

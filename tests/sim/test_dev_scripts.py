@@ -861,6 +861,7 @@ def test_the_cpu_host_cost_times_the_sessions_parts_unprofiled():
     parts = result["parts"]
     events = parts["events (the planner calls and copy batches they start included)"]
     assert 0 < parts["planner.before_use"] < events  # most of its calls from the events
+    assert parts["copy batches (started by events, gradients, operators)"] > 0  # it pages
     assert any(line.endswith("planner.before_use") for line in printed[2:])
 
 
