@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -145,6 +146,7 @@ SWITCHES = (
     "nodefer",
     "noareas",
     "flat",
+    "worker",
 )
 
 
@@ -607,6 +609,54 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
     return toggles
 
 
+def group_steps_on_a_thread(overlap, optimizer: torch.optim.Optimizer, session) -> Callable:
+    """Experiment (the switch worker): step_in_backward's group steps run on a thread of their
+    own in the session's quiet iterations, so that their host time (the optimizer's Python, the
+    staging) overlaps the backward's on autograd's thread instead of adding to it. A watched
+    iteration steps inline: its steps take part in the record. The user's optimizer.step()
+    first waits for the thread to have queued every group step. Returns the on/off switch."""
+    import queue
+    import threading
+
+    jobs: queue.Queue = queue.Queue()
+    failures: list[BaseException] = []
+    inline = overlap._step_group
+    state = {"on": False}
+
+    def work() -> None:
+        if overlap.device.type == "cuda":
+            torch.cuda.set_device(overlap.device)
+        while (group := jobs.get()) is not None:
+            try:
+                inline(group)
+            except BaseException as error:  # re-raised at the user's step
+                failures.append(error)
+            finally:
+                jobs.task_done()
+
+    thread = threading.Thread(target=work, name="group-steps", daemon=True)
+    thread.start()
+
+    def step_group(group: int) -> None:
+        if not state["on"] or (session is not None and not session.quiet):
+            inline(group)
+            return
+        overlap._stepped.add(group)  # on this thread: the next gradient's check reads it
+        jobs.put(group)
+
+    def join(*_: object) -> None:
+        if threading.current_thread() is thread:
+            return  # the thread's own narrowed step
+        jobs.join()
+        if failures:
+            raise failures.pop()
+
+    overlap._step_group = step_group
+    handle = optimizer.register_step_pre_hook(join)
+    optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before overlap's
+    return lambda on: state.__setitem__("on", on)
+
+
 def flatten_blocks(blocks, optimizer: torch.optim.Optimizer, no_state: set[int]) -> int:
     """The switch flat: each block's parameters re-laid out in one storage (values kept, every
     view 256-byte aligned for the fused kernels), and fused AdamW's state of them made as views
@@ -903,7 +953,15 @@ def run_one(
         if probe == "alternate":
             toggles = switch_toggles(session, model, alternated)
         # As the benchmark: with free_gradients the next forward waits per module for the steps.
-        tus.step_in_backward(optimizer, free_gradients=free, modules=[model] if free else None)
+        overlap = tus.step_in_backward(
+            optimizer, free_gradients=free, modules=[model] if free else None
+        )
+        if "worker" in switches | alternated:
+            on_thread = group_steps_on_a_thread(overlap, optimizer, session)
+            if "worker" in alternated:
+                toggles.append(on_thread)
+            else:
+                on_thread(True)
     torch.cuda.reset_peak_memory_stats()
 
     queued: list[float] = []

@@ -7,8 +7,9 @@ which placement keywords its "helper" passes and how its switch flat lays blocks
 (lms_state_split.py), and how the host's speed under copies is put against the idle GPU's
 (host_speed_under_copies.py), how a small read behind copies is tabled
 (small_read_behind_copies.py), the timing of the session's per-step walks
-(lms_block_end_cost.py), and the session's host cost on the CPU (session_host_cost_cpu.py).
-All run here without a GPU."""
+(lms_block_end_cost.py), the session's host cost on the CPU (session_host_cost_cpu.py), the
+switch that steps groups on a thread of their own (lms_state_split.py) and the scan of each
+CPU's speed (cpu_speed_scan.py). All run here without a GPU."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import ab_python_change  # noqa: E402
+import cpu_speed_scan  # noqa: E402
 import host_speed_under_copies  # noqa: E402
 import lms_allocator_retries  # noqa: E402
 import lms_block_end_cost  # noqa: E402
@@ -581,6 +583,64 @@ def test_each_switch_the_alternating_probe_turns_goes_on_and_back_off():
     with pytest.raises(ValueError, match="watched by modules"):
         lms_state_split.switch_toggles(session, model, frozenset({"events"}))
     session.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's affinity calls")
+def test_the_cpu_scan_times_each_allowed_cpu_and_gives_the_process_all_of_them_back(capsys):
+    allowed = os.sched_getaffinity(0)
+    speeds = cpu_speed_scan.cpu_speeds(runs=1)
+    assert set(speeds) == allowed and all(ms > 0 for ms in speeds.values())
+    assert os.sched_getaffinity(0) == allowed
+    sys.argv = ["cpu_speed_scan.py", "--count", "1"]
+    cpu_speed_scan.main()
+    out, err = capsys.readouterr()
+    assert int(out.strip()) in allowed
+    assert len(err.splitlines()) == len(allowed) and err.startswith("cpu ")
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["quiet", "watched"])
+def test_the_worker_switch_steps_groups_on_its_thread_only_in_quiet_iterations(quiet):
+    # The experiment worker (not kept): step_in_backward's group steps on a thread of their own
+    # where the session runs quiet, inline where it watches; training is the same bit for bit.
+    sys.path.insert(0, str(ROOT / "tests" / "sim"))
+    import threading
+
+    from lms_training import assert_trained_alike, make_model, session_for, train
+
+    import torch_uvm_saver as tus
+    from torch_uvm_saver.step_in_backward import StepInBackward
+
+    def run(worker: bool):
+        model, optimizer = make_model(groups=True)
+        # A budget that holds everything: iterations go quiet after the first, unless told not to.
+        session = session_for(model, optimizer, budget=10**8, quiet=quiet)
+        overlap = tus.step_in_backward(optimizer, free_gradients=True, modules=[model])
+        threads = []
+        if worker:
+            real = StepInBackward._step_group
+            overlap._step_group = lambda group: (
+                threads.append(threading.current_thread().name),
+                real(overlap, group),
+            )
+            lms_state_split.group_steps_on_a_thread(overlap, optimizer, session)(True)
+        losses = train(model, optimizer, session, steps=4)
+        stats = session.stats()
+        overlap.remove()
+        session.close()
+        return losses, list(model.parameters()), threads, stats
+
+    inline = run(worker=False)
+    threaded = run(worker=True)
+    assert_trained_alike(threaded[0], threaded[1], inline[0], inline[1])
+    groups = 6  # a group a block, each stepped once an iteration
+    if quiet:
+        # The first step makes the state (the session's held bytes grow): the second is
+        # watched too, the last two quiet.
+        assert threaded[3]["quiet_iterations"] == 2
+        assert threaded[2] == ["MainThread"] * 2 * groups + ["group-steps"] * 2 * groups
+    else:
+        assert threaded[3]["quiet_iterations"] == 0
+        assert threaded[2] == ["MainThread"] * 4 * groups
 
 
 def test_the_autocast_switches_pick_the_sessions_clearing():
