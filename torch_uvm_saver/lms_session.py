@@ -322,7 +322,8 @@ def lms_session(
     lms_events.py says what that assumes); ``clear_autocast_cache``, whether autocast's cache of
     low-precision weight copies is emptied after each of ``modules``' modules that owns
     parameters runs its forward: False (never), True (every iteration), "events" (in the
-    iterations watched by events, not in the one recorded for them: with watch="modules" only)
+    iterations watched by events and the quiet ones, not in the one recorded for them: with
+    watch="modules" only)
     or "auto" (default: "events" with watch="modules", False otherwise); Note [Autocast's cast
     cache] in autocast_cache.py says what it frees, what it saves and why that is the default;
     ``state_returns``, whether the host groups' state comes back to the device while the
@@ -616,14 +617,18 @@ class LmsSession:
         if self._clear_autocast_cache is True:  # Note [Autocast's cast cache]
             self._handles.extend(clear_after_each_module(modules, self.device.type))
         elif self._clear_autocast_cache == "events":  # watch="modules" (_resolve_clearing)
-            events = self._events  # the iterations that run on the record, not the recorded one
             self._handles.extend(
-                clear_after_each_module(modules, self.device.type, when=lambda: events.replaying)
+                clear_after_each_module(modules, self.device.type, when=self._not_recorded)
             )
         if self._cuda:
             if self._expandable_segments_on():
                 self._move_out_of_fixed_segments()
             self._set_fraction()
+
+    def _not_recorded(self) -> bool:
+        """Inside a block that runs on the record or quiet (Note [Autocast's cast cache]): not
+        the recorded iteration, whose margins the others keep."""
+        return self._events.replaying or (self._quiet and self._active)
 
     def _undo_open(self) -> None:
         """After _open raised: what it did, undone (storages it moved stay where they are)."""

@@ -118,6 +118,40 @@ def test_with_events_autocast_copies_go_only_in_iterations_replayed_from_the_rec
     ]
 
 
+def test_with_events_quiet_iterations_empty_autocasts_cache_too_and_code_outside_keeps_it():
+    # Note [Autocast's cast cache]: a quiet iteration (nothing moved in the one before) runs on
+    # no record, but it is not the recorded one either: it empties the cache after each module,
+    # so its peak, which decides how much of the state comes back to the device (Note [State
+    # coming back] in lms_session.py), does not hold every layer's copies. A forward outside
+    # the session's block keeps autocast's behaviour.
+    layer = torch.nn.Linear(256, 256)
+    model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer)
+    copies = []
+    session = tus.lms_session(10**9, [model], device="cpu", watch="modules", min_bytes=1024)
+
+    def forward() -> list[bool]:
+        copies.clear()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with _WatchCasts(layer.weight, copies):
+                model(torch.randn(4, 256))
+            return [copy() is not None for copy in copies]
+
+    seen = []
+    for _ in range(3):
+        with session:
+            seen.append((session._events.mode, session.quiet, forward()))
+    outside = forward()
+    stats = session.stats()
+    session.close()
+    assert seen == [
+        ("record", False, [True]),
+        ("off", True, [False, False]),
+        ("off", True, [False, False]),
+    ]
+    assert stats["quiet_iterations"] == 2
+    assert outside == [True]
+
+
 def test_views_and_storage_offsets_follow_the_storage():
     base = torch.arange(4096, dtype=torch.float32)
     view = base[1000:2000].view(10, 100)
