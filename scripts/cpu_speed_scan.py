@@ -6,7 +6,7 @@ list on stdout:
     CPUS=$(python scripts/cpu_speed_scan.py --count 4) && taskset -c $CPUS python ...
 
 On one lent H200 machine (16 CPUs; benchmarks/results/lms_xl2x_quiet_clearing_NVIDIA_H200.txt)
-three scans (two back to back, the third two minutes later) each found CPUs from 22 to 50 ms,
+three scans (two back to back, the third two minutes later) found CPUs between 22 and 50 ms,
 but never the same ones fast: the fastest four of the first scan ran 39-45 ms in the second.
 The speed is the moment's, not the CPU's, so pinning picks nothing; processes in turn and their
 medians stay the way to compare.

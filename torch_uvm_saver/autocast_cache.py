@@ -66,11 +66,10 @@ Note [Autocast's cast cache]
     configuration, one H200, two processes each) runs quiet. With the cache kept in quiet
     iterations, as "events" did before, every block's copies lived to the loss (1.56 billion
     weights at 2 bytes, about 2.9 GiB), 5.95 GiB of the state stayed on the host and a step
-    staged 12.78 GB across the link;
-    emptied (``True``, which empties it everywhere), 4.12 GiB and 8.85 GB. The steps' times did
-    not separate it from the CPUs' noise; the benchmark with it read 0.90x of the ideal on that
-    machine, where the build before had read 0.69x in the run before
-    (benchmarks/results/lms_xl2x_quiet_clearing_NVIDIA_H200.txt).
+    staged 12.78 GB across the link; emptied (``True``, which empties it everywhere), 4.12 GiB
+    and 8.85 GB. The steps' times did not separate it from the CPUs' noise; the benchmark with
+    it read 0.90x of the ideal on that machine, where the build before had read 0.69x in the
+    run before (benchmarks/results/lms_xl2x_quiet_clearing_NVIDIA_H200.txt).
 
     It is the default with watch="modules" (``clear_autocast_cache="auto"``): that small model
     (tests/gpu's replayed-iterations scenario: watched by modules, checkpointing, autocast,

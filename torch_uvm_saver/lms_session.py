@@ -323,12 +323,11 @@ def lms_session(
     low-precision weight copies is emptied after each of ``modules``' modules that owns
     parameters runs its forward: False (never), True (every iteration), "events" (in the
     iterations watched by events and the quiet ones, not in the one recorded for them: with
-    watch="modules" only)
-    or "auto" (default: "events" with watch="modules", False otherwise); Note [Autocast's cast
-    cache] in autocast_cache.py says what it frees, what it saves and why that is the default;
-    ``state_returns``, whether the host groups' state comes back to the device while the
-    iterations leave room for it under the limit (Note [State coming back]; default False, True
-    with optimizer_state="auto", and ``suggest_placement`` returns it True).
+    watch="modules" only) or "auto" (default: "events" with watch="modules", False otherwise);
+    Note [Autocast's cast cache] in autocast_cache.py says what it frees, what it saves and why
+    that is the default; ``state_returns``, whether the host groups' state comes back to the
+    device while the iterations leave room for it under the limit (Note [State coming back];
+    default False, True with optimizer_state="auto", and ``suggest_placement`` returns it True).
     """
     return LmsSession(limit, modules, optimizers, **options)
 
