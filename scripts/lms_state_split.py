@@ -609,12 +609,15 @@ def switch_toggles(session, model: torch.nn.Module, switches: frozenset[str]) ->
     return toggles
 
 
-def group_steps_on_a_thread(overlap, optimizer: torch.optim.Optimizer, session) -> Callable:
+def group_steps_on_a_thread(
+    overlap, optimizer: torch.optim.Optimizer, session
+) -> tuple[Callable[[bool], None], Callable[[], None]]:
     """Experiment (the switch worker): step_in_backward's group steps run on a thread of their
     own in the session's quiet iterations, so that their host time (the optimizer's Python, the
     staging) overlaps the backward's on autograd's thread instead of adding to it. A watched
     iteration steps inline: its steps take part in the record. The user's optimizer.step()
-    first waits for the thread to have queued every group step. Returns the on/off switch."""
+    first waits for the thread to have queued every group step. Returns the on/off switch and
+    a stop that ends the thread (steps go inline after it)."""
     import queue
     import threading
 
@@ -651,10 +654,16 @@ def group_steps_on_a_thread(overlap, optimizer: torch.optim.Optimizer, session) 
         if failures:
             raise failures.pop()
 
+    def stop() -> None:
+        join()
+        state["on"] = False
+        jobs.put(None)
+        thread.join()
+
     overlap._step_group = step_group
     handle = optimizer.register_step_pre_hook(join)
     optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before overlap's
-    return lambda on: state.__setitem__("on", on)
+    return (lambda on: state.__setitem__("on", on)), stop
 
 
 def flatten_blocks(blocks, optimizer: torch.optim.Optimizer, no_state: set[int]) -> int:
@@ -957,7 +966,7 @@ def run_one(
             optimizer, free_gradients=free, modules=[model] if free else None
         )
         if "worker" in switches | alternated:
-            on_thread = group_steps_on_a_thread(overlap, optimizer, session)
+            on_thread, _ = group_steps_on_a_thread(overlap, optimizer, session)  # to the end
             if "worker" in alternated:
                 toggles.append(on_thread)
             else:
