@@ -624,7 +624,7 @@ def group_steps_on_a_thread(
     jobs: queue.Queue = queue.Queue()
     failures: list[BaseException] = []
     inline = overlap._step_group
-    state = {"on": False}
+    on = threading.Event()  # set: quiet iterations step on the thread
 
     def work() -> None:
         if overlap.device.type == "cuda":
@@ -641,7 +641,7 @@ def group_steps_on_a_thread(
     thread.start()
 
     def step_group(group: int) -> None:
-        if not state["on"] or (session is not None and not session.quiet):
+        if not on.is_set() or (session is not None and not session.quiet):
             inline(group)
             return
         overlap._stepped.add(group)  # on this thread: the next gradient's check reads it
@@ -656,14 +656,14 @@ def group_steps_on_a_thread(
 
     def stop() -> None:
         join()
-        state["on"] = False
+        on.clear()
         jobs.put(None)
         thread.join()
 
     overlap._step_group = step_group
     handle = optimizer.register_step_pre_hook(join)
     optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before overlap's
-    return (lambda on: state.__setitem__("on", on)), stop
+    return (lambda wanted: on.set() if wanted else on.clear()), stop
 
 
 def flatten_blocks(blocks, optimizer: torch.optim.Optimizer, no_state: set[int]) -> int:
