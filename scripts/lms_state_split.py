@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import oversub_child as child
 from _bench_common import host_python_ms
 from profile_lms_session import step
+from timed_calls import timed_into
 
 GiB = 2**30
 MOVED = ("pageout_bytes", "pagein_bytes", "prefetch_bytes")
@@ -506,24 +507,6 @@ HOST_TIMED = (  # (module, class or None, function): what the probe "host" times
     ("torch", "Tensor", "copy_"),
     ("torch", "Tensor", "record_stream"),
 )
-
-
-def timed_into(real, label: str, spent, calls=None):
-    """`real`, wrapped to add the seconds of each call to spent[label] (and count it in
-    calls[label]): what the probes host and alternate put in place of a function."""
-    import functools
-
-    @functools.wraps(real)
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            spent[label] += time.perf_counter() - start
-            if calls is not None:
-                calls[label] += 1
-
-    return timed
 
 
 def print_host_times(one, steps: int) -> None:

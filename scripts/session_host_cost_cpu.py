@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from lms_state_split import timed_into
+from timed_calls import timed_into
 
 import torch_uvm_saver as tus
 

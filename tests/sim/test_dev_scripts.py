@@ -41,6 +41,7 @@ import run_gpu_tests  # noqa: E402
 import session_host_cost_cpu  # noqa: E402
 import small_read_behind_copies  # noqa: E402
 import thread_cpu  # noqa: E402
+import timed_calls  # noqa: E402
 
 GiB = 1 << 30
 KEPT = ROOT / "benchmarks/results/lms_allocator_retries_4x_NVIDIA_H100_80GB_HBM3.json.gz"
@@ -475,6 +476,7 @@ def test_the_alternating_probe_puts_each_side_in_its_own_steps_and_turns_the_swi
 ):
     clock = _Clock()
     monkeypatch.setattr(lms_state_split, "time", clock)
+    monkeypatch.setattr(timed_calls, "time", clock)
 
     class FakeSession:
         def __init__(self) -> None:
@@ -511,7 +513,7 @@ def test_the_alternating_probe_puts_each_side_in_its_own_steps_and_turns_the_swi
 
 def test_a_timed_function_answers_as_before_and_adds_each_call_to_its_label(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(lms_state_split, "time", clock)
+    monkeypatch.setattr(timed_calls, "time", clock)
 
     def work(x: int) -> int:
         """Doubles x."""
@@ -522,7 +524,7 @@ def test_a_timed_function_answers_as_before_and_adds_each_call_to_its_label(monk
 
     spent: dict = collections.Counter()
     calls: dict = collections.Counter()
-    timed = lms_state_split.timed_into(work, "work", spent, calls)
+    timed = timed_calls.timed_into(work, "work", spent, calls)
     assert timed(3) == 6 and timed.__name__ == "work"
     with pytest.raises(ValueError, match="negative"):
         timed(-1)  # a call that raises is timed and counted too
