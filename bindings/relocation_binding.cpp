@@ -4,9 +4,11 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
+#include "allocator/residency/copy_done_event.h"
 #include "allocator/residency/relocation_copies.h"
 #include "allocator/residency/relocation_planner.h"
 #include "bindings/bindings.h"
@@ -93,37 +95,64 @@ void bind_relocation(py::module_& module) {
       .def_property_readonly("registered_bytes", &Planner::registered_bytes)
       .def("counters", &counters_dict);
 
+  py::class_<CopyDoneEvent, std::shared_ptr<CopyDoneEvent>>(
+      module, "CopyDoneEvent",
+      "The end of a batch of relocation copies (Note [Copies queued in one call]); stream "
+      "arguments are raw handles (torch.cuda.Stream.cuda_stream).")
+      .def(py::init<std::shared_ptr<Driver>, int>(), py::arg("driver"), py::arg("device"))
+      .def(
+          "record",
+          [](CopyDoneEvent& event, std::uintptr_t stream) {
+            event.record(reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("stream"), "Completes after what `stream` has queued so far.")
+      .def(
+          "wait",
+          [](const CopyDoneEvent& event, std::uintptr_t stream) {
+            event.make_wait(reinterpret_cast<StreamHandle>(stream));
+          },
+          py::arg("stream"), "Work queued on `stream` from now on runs after the last record.")
+      .def("synchronize", &CopyDoneEvent::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query", &CopyDoneEvent::done, "Whether the last record has completed; never blocks.")
+      .def_property_readonly("device", &CopyDoneEvent::device);
+
   // Raw handles and addresses, as torch gives them (Stream.cuda_stream, Event.cuda_event,
   // data_ptr()): the session checks what they belong to. The GIL stays held: a batch is a few
   // asynchronous calls, and the caller's buffers stay alive while it runs.
   module.def(
       "queue_relocation_copies",
-      [](Driver& driver, int device, std::uintptr_t stream, std::uintptr_t handover,
-         const std::vector<std::uintptr_t>& after_streams,
-         const std::vector<std::uintptr_t>& after_events,
+      [](const std::shared_ptr<Driver>& driver, int device, std::uintptr_t stream,
+         std::uintptr_t handover, const std::vector<std::uintptr_t>& after_streams,
+         const std::vector<std::shared_ptr<CopyDoneEvent>>& after_events,
          const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>>& copies,
          bool to_host) {
         // StreamHandle and EventHandle are both void*.
         auto handle = [](std::uintptr_t raw) { return reinterpret_cast<void*>(raw); };
-        auto handles = [&](const std::vector<std::uintptr_t>& raws) {
-          std::vector<void*> out;
-          out.reserve(raws.size());
-          for (std::uintptr_t raw : raws) out.push_back(handle(raw));
-          return out;
-        };
+        std::vector<StreamHandle> streams;
+        streams.reserve(after_streams.size());
+        for (std::uintptr_t raw : after_streams) streams.push_back(handle(raw));
+        std::vector<EventHandle> events;
+        events.reserve(after_events.size());
+        for (const auto& event : after_events) {
+          events.push_back(event == nullptr ? nullptr : event->handle());
+        }
         std::vector<RelocationCopy> batch;
         batch.reserve(copies.size());
         for (const auto& [device_ptr, host_ptr, size] : copies) {
           batch.push_back(RelocationCopy{device_ptr, handle(host_ptr), size});
         }
-        queue_relocation_copies(driver, device, handle(stream), handle(handover),
-                                handles(after_streams), handles(after_events), batch,
-                                to_host ? CopyDirection::kToHost : CopyDirection::kToDevice);
+        // Made first: a batch whose end cannot be recorded queues nothing.
+        auto done = std::make_shared<CopyDoneEvent>(driver, device);
+        queue_relocation_copies(*driver, device, handle(stream), handle(handover), streams, events,
+                                batch, to_host ? CopyDirection::kToHost : CopyDirection::kToDevice,
+                                done->handle());
+        return done;
       },
       py::arg("driver"), py::arg("device"), py::arg("stream"), py::arg("handover"),
       py::arg("after_streams"), py::arg("after_events"), py::arg("copies"), py::arg("to_host"),
       "Queues (device address, host address, bytes) copies on `stream` after `after_streams` "
-      "(through the `handover` event) and `after_events` (Note [Copies queued in one call]).");
+      "(through the `handover` event) and the CopyDoneEvents `after_events`; returns a new "
+      "CopyDoneEvent recorded after them (Note [Copies queued in one call]).");
 }
 
 }  // namespace tus::bindings

@@ -492,6 +492,9 @@ HOST_TIMED = (  # (module, class or None, function): what the probe "host" times
     ("torch_uvm_saver.lms_session", "LmsSession", "_page_in_making_room"),
     ("torch_uvm_saver.lms_session", "LmsSession", "_wait_landing"),
     ("torch_uvm_saver.lms_session", "LmsSession", "_take_device_memory"),
+    ("torch_uvm_saver.queued_copies", "CopyQueue", "queue"),
+    ("torch_uvm_saver.queued_copies", "CopyQueue", "wait"),
+    ("torch_uvm_saver._C", None, "queue_relocation_copies"),
     ("torch_uvm_saver._C", "RelocationPlanner", "before_use"),
     ("torch_uvm_saver._C", "RelocationPlanner", "bring_in"),
     # PyTorch's calls the paging makes per move or batch (each wrapped where the session and

@@ -18,6 +18,7 @@ __all__: list[str] = [
     "MALLOC_SYMBOL",
     "USED_CAPSULE_NAME",
     "Allocator",
+    "CopyDoneEvent",
     "CudaDriver",
     "Driver",
     "RegionState",
@@ -571,6 +572,29 @@ class RelocationPlanner:
     @property
     def resident_bytes(self) -> int: ...
 
+class CopyDoneEvent:
+    """
+    The end of a batch of relocation copies (Note [Copies queued in one call]); stream arguments are raw handles (torch.cuda.Stream.cuda_stream).
+    """
+    def __init__(
+        self, driver: Driver, device: typing.SupportsInt | typing.SupportsIndex
+    ) -> None: ...
+    def query(self) -> bool:
+        """
+        Whether the last record has completed; never blocks.
+        """
+    def record(self, stream: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Completes after what `stream` has queued so far.
+        """
+    def synchronize(self) -> None: ...
+    def wait(self, stream: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Work queued on `stream` from now on runs after the last record.
+        """
+    @property
+    def device(self) -> int: ...
+
 def _set_exception_types(
     error: typing.Any,
     out_of_memory: typing.Any,
@@ -698,7 +722,7 @@ def queue_relocation_copies(
     stream: typing.SupportsInt | typing.SupportsIndex,
     handover: typing.SupportsInt | typing.SupportsIndex,
     after_streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-    after_events: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    after_events: collections.abc.Sequence[CopyDoneEvent],
     copies: collections.abc.Sequence[
         tuple[
             typing.SupportsInt | typing.SupportsIndex,
@@ -707,9 +731,9 @@ def queue_relocation_copies(
         ]
     ],
     to_host: bool,
-) -> None:
+) -> CopyDoneEvent:
     """
-    Queues (device address, host address, bytes) copies on `stream` after `after_streams` (through the `handover` event) and `after_events` (Note [Copies queued in one call]).
+    Queues (device address, host address, bytes) copies on `stream` after `after_streams` (through the `handover` event) and the CopyDoneEvents `after_events`; returns a new CopyDoneEvent recorded after them (Note [Copies queued in one call]).
     """
 
 def restore_thread_region(state: RegionState) -> None: ...

@@ -354,7 +354,7 @@ class _Entry:
         # bytes have not been written since they were copied out or in.
         self.host: torch.Tensor | None = None
         self.host_current = False
-        self.out_event: torch.cuda.Event | None = None  # the last copy to the host is done
+        self.out_event: object = None  # the end of the last copy to the host (CopyQueue)
         self.saved_refs = 0
         self.view: torch.Tensor | None = None  # device_bytes() of a storage kept for good
 
@@ -516,7 +516,7 @@ class LmsSession:
         if prefetch_depth is not None:
             self._planner.prefetch_depth = prefetch_depth
         self._entries: dict[int, _Entry] = {}
-        self._landing: dict[int, torch.cuda.Event] = {}  # prefetched, not waited for yet
+        self._landing: dict[int, object] = {}  # prefetched: its batch's end, not waited for yet
         self._out: set[int] = set()  # blocks paged out
         # Planned out, still on the device (Note [Page-outs at the iteration's end])
         self._deferred: dict[int, None] = {}
@@ -930,9 +930,13 @@ class LmsSession:
             raise InvalidArgumentError(f"lms_session: cannot manage {what}: {why}")
         block = _storage_id(t)
         if block not in self._entries:
-            self._entries[block] = _Entry(t.untyped_storage(), persistent)
-            self._register(block, persistent)
+            self._take(t, block, persistent)
         return block
+
+    def _take(self, t: torch.Tensor, block: int, persistent: bool) -> None:
+        """Manages `t`'s storage, `block`, found eligible and not managed yet."""
+        self._entries[block] = _Entry(t.untyped_storage(), persistent)
+        self._register(block, persistent)
 
     def _register(self, block: int, persistent: bool) -> None:
         """The planner takes the block (one made this iteration keyed by the order it came in)."""
@@ -963,8 +967,8 @@ class LmsSession:
             if t.untyped_storage().nbytes() < self.min_bytes or self._eligible(t) is not None:
                 self._skipped_saved += 1
                 return t
-            entry = self._entries[block] = _Entry(t.untyped_storage(), persistent=False)
-            self._register(block, persistent=False)
+            self._take(t, block, persistent=False)
+            entry = self._entries[block]
         entry.saved_refs += 1
         self._saved_managed += 1
         # Detached: a saved output holding itself (and so its grad_fn) would be a cycle that
@@ -991,12 +995,11 @@ class LmsSession:
         if self._events is not None and self._active:
             self._events.event(("grad", id(parameter)))
         grad = parameter.grad
-        if (
-            grad is not None
-            and _storage_id(grad) not in self._entries
-            and self._eligible(grad) is None
-        ):
-            self._add(grad, persistent=False, what="gradient")
+        if grad is None:
+            return
+        block = _storage_id(grad)
+        if block not in self._entries and self._eligible(grad) is None:
+            self._take(grad, block, persistent=False)
 
     def _other_optimizer_steps(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         """Warns, once for each, of an optimizer that steps parameters this session manages
@@ -1044,13 +1047,11 @@ class LmsSession:
         """Inside an optimizer's step: what it allocates (its state, the first time) is managed
         at once, so a first step larger than the limit can still run."""
         for t in result if isinstance(result, (list, tuple)) else (result,):
-            if (
-                type(t) is torch.Tensor
-                and t.layout == torch.strided
-                and _storage_id(t) not in self._entries
-                and self._eligible(t) is None
-            ):
-                self._add(t, persistent=False, what="optimizer output")
+            if type(t) is not torch.Tensor or t.layout != torch.strided:
+                continue
+            block = _storage_id(t)
+            if block not in self._entries and self._eligible(t) is None:
+                self._take(t, block, persistent=False)
 
     def _adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's state tensors are managed, or moved to the host for the host groups
@@ -1346,11 +1347,18 @@ class LmsSession:
         return blocks
 
     def _wait_landing(self, ids: list[int]) -> None:
-        current = self._current_stream() if self._cuda else None
+        """The current stream waits for the prefetches of `ids` still landing: once a batch
+        for blocks that came in together (one event ends a batch)."""
+        landing = self._landing
+        current = waited = None
         for block in ids:
-            event = self._landing.pop(block, None)
-            if event is not None and current is not None:
-                current.wait_event(event)
+            event = landing.pop(block, None)
+            if event is None or event is waited:
+                continue
+            if current is None:
+                current = self._current_stream()
+            self._copies.wait(current, event)
+            waited = event
 
     def _page_out_all(self, blocks: list[int]) -> None:
         """Copies these blocks to the host and gives their device memory back. On a GPU the
@@ -1392,14 +1400,13 @@ class LmsSession:
         landing = self._landing
         landings = [landing[block] for block, _, _ in moving if block in landing]
         try:
-            self._copies.queue(stream, current, others, landings, copies, to_host=True)
+            event = self._copies.queue(stream, current, others, landings, copies, to_host=True)
         except BaseException:
             for block, _, _ in moving:  # still resident, their bytes on the device
                 self._planner.pageout_failed(block)
             raise
         for block, _, _ in moving:
             landing.pop(block, None)
-        event = stream.record_event()
         for (block, entry, storage), (device_bytes, _) in zip(moving, copies, strict=True):
             device_bytes.record_stream(stream)  # the block is reused only after the copy
             entry.out_event = event
@@ -1477,12 +1484,12 @@ class LmsSession:
         if live is None:
             return
         entry, storage = live
-        self._take_device_memory(storage, entry.nbytes)
+        current = self._current_stream() if self._cuda else None
+        self._take_device_memory(storage, entry.nbytes, current)
         device_bytes = entry.device_bytes(storage)
-        if self._cuda:
-            current = self._current_stream()
+        if current is not None:
             if entry.out_event is not None:  # kept: a clean page-out copies nothing new
-                current.wait_event(entry.out_event)
+                self._copies.wait(current, entry.out_event)
             device_bytes.copy_(entry.host, non_blocking=True)
         else:
             device_bytes.copy_(entry.host)
@@ -1497,6 +1504,7 @@ class LmsSession:
         (_wait_landing). A batch that fails gives the memory it took back: the blocks stay out,
         their bytes on the host."""
         ready: list[tuple[int, _Entry, torch.UntypedStorage]] = []
+        current = self._current_stream() if self._cuda else None
         for index, block in enumerate(blocks):
             if self._planner.is_out(block):
                 continue  # a victim of making room for a page-in before it: it stays out
@@ -1505,7 +1513,7 @@ class LmsSession:
                 continue
             entry, storage = live
             try:
-                self._take_device_memory(storage, entry.nbytes)
+                self._take_device_memory(storage, entry.nbytes, current)
             except torch.OutOfMemoryError:
                 # Ahead of need only: no room after all, so this and the rest stay out (their
                 # bytes untouched) and come in on demand.
@@ -1526,7 +1534,7 @@ class LmsSession:
         # Kept: a clean page-out copies nothing new, and its event may have passed long ago.
         after = [entry.out_event for _, entry, _ in ready if entry.out_event is not None]
         try:
-            self._copies.queue(stream, self._current_stream(), (), after, copies, to_host=False)
+            event = self._copies.queue(stream, current, (), after, copies, to_host=False)
         except BaseException:
             # Copies queued before the failure may still write these blocks: each is reused
             # only once the prefetch stream is past them.
@@ -1535,7 +1543,6 @@ class LmsSession:
                 storage.resize_(0)
                 self._planner.prefetch_failed(block)
             raise
-        event = stream.record_event()
         for (block, entry, _), (device_bytes, _) in zip(ready, copies, strict=True):
             self._landing[block] = event
             device_bytes.record_stream(stream)
@@ -1605,10 +1612,12 @@ class LmsSession:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _take_device_memory(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+    def _take_device_memory(
+        self, storage: torch.UntypedStorage, nbytes: int, current: torch.cuda.Stream | None
+    ) -> None:
         """A fresh block for a paged-out storage, wherever it fits (Note [One pool]: from the
-        compute stream's pool even while a side stream is current)."""
-        current = self._current_stream() if self._cuda else None
+        compute stream's pool even while `current`, a side stream, is the current one; None
+        off a GPU)."""
         if current is None or current == self._compute_stream:
             storage.resize_(nbytes)
             return

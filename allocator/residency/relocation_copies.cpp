@@ -40,7 +40,8 @@ void check_arguments(EventHandle handover, const std::vector<StreamHandle>& afte
 void queue_relocation_copies(Driver& driver, int device, StreamHandle stream, EventHandle handover,
                              const std::vector<StreamHandle>& after_streams,
                              const std::vector<EventHandle>& after_events,
-                             const std::vector<RelocationCopy>& copies, CopyDirection direction) {
+                             const std::vector<RelocationCopy>& copies, CopyDirection direction,
+                             EventHandle done) {
   check_arguments(handover, after_streams, after_events, copies);
   for (StreamHandle other : after_streams) {
     driver.event_record(device, handover, other);
@@ -62,6 +63,15 @@ void queue_relocation_copies(Driver& driver, int device, StreamHandle stream, Ev
     context << "queue_relocation_copies: copy " << index << " of " << copies.size() << " ("
             << (direction == CopyDirection::kToHost ? "to the host" : "to the device") << ", "
             << index << " queued before it)";
+    rethrow_with_context(std::current_exception(), context.str());
+  }
+  if (done == nullptr) return;
+  try {
+    driver.event_record(device, done, stream);
+  } catch (...) {
+    Message context;
+    context << "queue_relocation_copies: recording the end of " << copies.size()
+            << " copies, all queued";
     rethrow_with_context(std::current_exception(), context.str());
   }
 }

@@ -24,10 +24,12 @@ enum class CopyDirection { kToHost, kToDevice };
 // once: a wait keeps the record it was queued behind) and after each of `after_events`. Nothing
 // waits on the host. A driver error stops the batch there: the copies before it stay queued,
 // none after it is, and the error (its type kept) names the copy it stopped at. Every argument is
-// checked before anything is queued.
+// checked before anything is queued. Then `done`, unless null, is recorded on `stream`: it
+// completes once every copy of the batch has (an error recording it says all were queued).
 void queue_relocation_copies(Driver& driver, int device, StreamHandle stream, EventHandle handover,
                              const std::vector<StreamHandle>& after_streams,
                              const std::vector<EventHandle>& after_events,
-                             const std::vector<RelocationCopy>& copies, CopyDirection direction);
+                             const std::vector<RelocationCopy>& copies, CopyDirection direction,
+                             EventHandle done = nullptr);
 
 }  // namespace tus

@@ -984,12 +984,15 @@ def stream_hand_overs_order_the_work_and_put_the_current_stream_back() -> None:
 @scenario
 def copies_queued_in_one_call_follow_the_streams_and_events_they_are_given() -> None:
     """Note [Copies queued in one call]: a natively queued batch copies after what the current
-    stream has queued and after each event it is given, both ways."""
+    stream has queued and after each event it is given, both ways, and the event it hands back
+    ends after its copies."""
     import torch
 
+    from torch_uvm_saver import _C
     from torch_uvm_saver.queued_copies import CopyQueue
 
-    copies = CopyQueue(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.cuda.current_device()
+    copies = CopyQueue(torch.device("cuda", device))
     assert copies.native, "the process driver is CUDA's on a GPU: the native path runs"
     main, side, other = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.zeros(MiB, device="cuda")
@@ -997,9 +1000,10 @@ def copies_queued_in_one_call_follow_the_streams_and_events_they_are_given() -> 
     torch.cuda._sleep(50_000_000)  # the fill lands about 25 ms from now
     x.fill_(1.0)
     x_bytes = x.view(torch.uint8)
-    copies.queue(side, main, (), [], [(x_bytes, host)], to_host=True)
+    out = copies.queue(side, main, (), [], [(x_bytes, host)], to_host=True)
     x_bytes.record_stream(side)
-    torch.cuda.synchronize()
+    assert not out.query(), "the batch's end came before the fill it follows"
+    out.synchronize()  # the host waits for the batch's end only, not the device
     assert float(host.view(torch.float32).min()) == 1.0, "the copy out ran before the fill"
 
     z = torch.zeros(MiB, device="cuda")
@@ -1008,11 +1012,16 @@ def copies_queued_in_one_call_follow_the_streams_and_events_they_are_given() -> 
     with torch.cuda.stream(other):
         torch.cuda._sleep(50_000_000)
         z.fill_(5.0)  # must land before the copy in below, which writes 1.0 over it
-    written = other.record_event()
+    written = _C.CopyDoneEvent(_C.get_driver(), device)
+    written.record(other.cuda_stream)
     z_bytes = z.view(torch.uint8)
-    copies.queue(side, main, (), [written], [(z_bytes, host)], to_host=False)
+    back = copies.queue(side, main, (), [written], [(z_bytes, host)], to_host=False)
+    y = torch.empty_like(z)
+    copies.wait(main, back)  # main reads z only after the copy in
+    y.copy_(z)
     torch.cuda.synchronize()
     assert float(z.min()) == float(z.max()) == 1.0, "the copy in did not wait for the event"
+    assert float(y.min()) == float(y.max()) == 1.0, "main read z before the batch's end"
 
 
 @scenario
@@ -1056,6 +1065,9 @@ class _FailingCopies:
             self.failed += 1
             raise RuntimeError(f"injected failure of a batch of {len(copies)} copies")
         return self.real.queue(stream, current, others, after, copies, to_host)
+
+    def wait(self, stream, event) -> None:
+        self.real.wait(stream, event)
 
 
 @scenario

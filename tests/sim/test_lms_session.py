@@ -628,10 +628,10 @@ def test_host_state_paged_out_in_its_first_step_goes_to_the_host_without_coming_
         walk(optimizer)
         walks[-1][2] = False
 
-    def counted_take(storage, nbytes):
+    def counted_take(storage, nbytes, current):
         if walks and walks[-1][2]:
             walks[-1][1] += 1
-        take(storage, nbytes)
+        take(storage, nbytes, current)
 
     session._adopt_optimizer_state = watched_walk
     session._take_device_memory = counted_take
@@ -892,7 +892,7 @@ def test_an_old_moment_kept_with_no_room_to_come_back_stays_managed_and_whole():
     checkpoint = copy.deepcopy(optimizer.state_dict())
     real = session._take_device_memory
 
-    def no_room(storage, nbytes):
+    def no_room(storage, nbytes, current):
         raise torch.OutOfMemoryError("injected: no room to bring the old moment back")
 
     session._take_device_memory = no_room
