@@ -409,3 +409,42 @@ def test_each_processs_losses_are_kept():
     results[1]["losses"] = [2.0]
     combined = bench.combine_processes(results)
     assert [p["losses"] for p in combined["processes"]] == [[1.0], [2.0], [1.0]]
+
+
+def test_the_ideal_target_says_what_the_median_reading_leaves_out():
+    """GPT-2 medium 4x read 0.803x with the session's median process at a 34 ms host loop and
+    checkpointing's at 45 ms: the verdict stays the median's, and the line beside it gives the
+    fastest processes' ratio and the two host loops, and says the pass may be the CPUs'."""
+    from oversub_report import IDEAL_FRACTION, against_the_reference, ratio_text
+
+    def column(steps, loops):
+        results = [child_result(s, 8.0, str(s)) for s in steps]
+        for result, loop in zip(results, loops):
+            result["host_python_ms"] = [loop]
+        return bench.combine_processes(results)
+
+    native = {"step_median_s": 0.1, "tokens_per_step": 8192, "losses": [1.0]}
+    bandwidth = {"h2d": {"median_gbps": 55.0}, "d2h": {"median_gbps": 55.0}}
+    ckpt = column([0.159, 0.169, 0.172], [41, 45, 46])
+    session = column([0.202, 0.211, 0.270], [24, 34, 24])
+    ideal = ideal_of(ckpt, 7 * GiB, bandwidth)  # 1 GiB over the limit: the reference sets it
+    reference = make_row(ckpt, "checkpointing", 7 * GiB, ideal, native)
+    row = make_row(session, "lms-v2-overlap", 7 * GiB, ideal, native)
+    assert row["vs_ideal"] == pytest.approx(0.169 / 0.211) and row["vs_ideal"] > IDEAL_FRACTION
+    found = against_the_reference(row, reference, ideal, row["vs_ideal"])
+    assert found["fastest"] == pytest.approx(0.159 / 0.202)
+    assert found["host_loops_ms"] == [34, 45]
+    assert found["context"].endswith("(the column's CPU ran faster: a pass that may be the CPUs')")
+    # Comparable CPUs: no such word; a link-bound ideal: nothing to add.
+    even = make_row(
+        column([0.202, 0.211, 0.270], [40, 44, 41]), "lms-v2-overlap", 7 * GiB, ideal, native
+    )
+    assert "CPUs'" not in against_the_reference(even, reference, ideal, even["vs_ideal"])["context"]
+    slow_link = {"h2d": {"median_gbps": 20.0}, "d2h": {"median_gbps": 20.0}}
+    link_bound = ideal_of(ckpt, 2 * GiB, slow_link)  # 6 GiB each way: 0.32 s
+    assert link_bound["step_s"] > link_bound["reference_step_s"]
+    assert against_the_reference(row, reference, link_bound, 0.5) == {}
+    # A ratio that two decimals would show as the line itself keeps four.
+    assert ratio_text(0.7998097) == "0.7998" and ratio_text(0.803) == "0.8030"
+    assert ratio_text(0.81) == "0.81"
+    assert ratio_text(0.8) == "0.80" and ratio_text(2.9996) == "2.9996"
