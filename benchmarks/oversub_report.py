@@ -223,9 +223,13 @@ def reference_step_s(reference: dict) -> float:
     2x read 0.80x against a checkpointing process on a slow CPU, 0.294 s where the other took
     0.252 s)."""
     steps = reference.get("process_step_medians") or []
-    if len(steps) >= 2 and len(steps) % 2 == 0:
-        return steps[len(steps) // 2 - 1]
-    return reference["step_median_s"]
+    return steps[reference_index(len(steps))] if steps else reference["step_median_s"]
+
+
+def reference_index(count: int) -> int:
+    """Of `count` processes, fastest first, the one an ideal's reference reads: the median, the
+    faster middle one of an even count (reference_step_s)."""
+    return count // 2 - 1 if count % 2 == 0 else count // 2
 
 
 def ideal_of(reference: dict | None, limit: int, bandwidth: dict) -> dict | None:
@@ -408,9 +412,9 @@ def against_the_reference(
     own, theirs = process_readings(row), process_readings(reference)
     fastest = theirs[0][0] / own[0][0]
     # The processes whose steps were compared: the column's median (the slower middle one of
-    # an even count), the reference's the faster middle one (reference_step_s).
+    # an even count: combine_processes), the reference's the one its ideal reads.
     own_loop = own[len(own) // 2][1]
-    theirs_loop = theirs[len(theirs) // 2 - 1 if len(theirs) % 2 == 0 else len(theirs) // 2][1]
+    theirs_loop = theirs[reference_index(len(theirs))][1]
     context = f"fastest process against the reference's fastest {fastest:.2f}x"
     out: dict = {"fastest": fastest}
     if own_loop and theirs_loop:
